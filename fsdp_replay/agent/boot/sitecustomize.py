@@ -1,0 +1,38 @@
+"""fsdp-replay's sitecustomize: does nothing unless FSDP_REPLAY_MODE is set.
+
+Put on PYTHONPATH by ``fsdp-replay record`` and by the Kubernetes injector. It must stay cheap
+(no imports beyond ``os`` and ``sys`` when disabled) and must still run the ``sitecustomize``
+that it shadows, if the program's environment had one.
+"""
+
+import os
+import sys
+
+
+def _chain() -> None:
+    """Run the next sitecustomize on sys.path (the one ours shadows), as Python would have."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None or spec.origin == os.path.abspath(__file__):
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+def _main() -> None:
+    if os.environ.get("FSDP_REPLAY_MODE", "off") not in ("", "off"):
+        try:
+            from fsdp_replay.agent.bootstrap import activate
+
+            activate()
+        except Exception as e:  # never stop the program from starting
+            sys.stderr.write(f"fsdp-replay: agent not started: {e!r}\n")
+    _chain()
+
+
+_main()

@@ -1,0 +1,265 @@
+"""What the agent reads off the process: environment, RNG states, and snapshots of rank state.
+
+Functions here run on the training thread and only read or copy; turning the copies into bytes
+happens on the writer thread (``encode_*``).
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import hashlib
+import io
+import json
+import os
+import platform
+import random
+import sys
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+import fsdp_replay
+from fsdp_replay.trace.redact import redact_argv, redact_env
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "fsdp_replay": fsdp_replay.__version__,
+        "platform": platform.platform(),
+        "nccl": None,
+    }
+    if "numpy" in sys.modules:
+        out["numpy"] = sys.modules["numpy"].__version__
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # NCCL absent from this build
+            out["nccl"] = None
+    return out
+
+
+def determinism() -> dict[str, Any]:
+    """The flags that decide whether kernels are reproducible (torchtitan's set_determinism list)."""
+    cudnn = torch.backends.cudnn
+    return {
+        "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_enabled": bool(cudnn.enabled),
+        "cudnn_deterministic": bool(cudnn.deterministic),
+        "cudnn_benchmark": bool(cudnn.benchmark),
+        "cudnn_allow_tf32": bool(cudnn.allow_tf32),
+        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "env": {
+            k: os.environ[k]
+            for k in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NCCL_PROTO", "PYTHONHASHSEED")
+            if k in os.environ
+        },
+    }
+
+
+def threads() -> dict[str, int]:
+    return {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()}
+
+
+def process_info(rank: int, world_size: int, local_rank: int) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "local_rank": local_rank,
+        "pid": os.getpid(),
+        "host": platform.node(),
+        "argv": redact_argv(sys.argv),
+        "orig_argv": redact_argv(getattr(sys, "orig_argv", sys.argv)),
+        "executable": sys.executable,
+        "cwd": os.getcwd(),
+        "env": redact_env(os.environ),
+        "versions": versions(),
+        "threads": threads(),
+        "determinism": determinism(),
+    }
+
+
+def sha256_file(path: str) -> str | None:
+    try:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    except OSError:
+        return None
+
+
+def script_info() -> dict[str, Any]:
+    path = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
+    return {"path": path, "sha256": sha256_file(path) if path and os.path.isfile(path) else None}
+
+
+def local_modules(roots: Iterable[str]) -> list[tuple[str, str]]:
+    """(name, file) of imported modules whose source lives under one of ``roots`` (not site-packages)."""
+    roots = tuple(os.path.join(os.path.abspath(r), "") for r in roots if r)
+    out = []
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if not f or "site-packages" in f or "dist-packages" in f or name.startswith("fsdp_replay"):
+            continue
+        f = os.path.abspath(f)
+        if f.startswith(roots):
+            out.append((name, f))
+    return sorted(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG states
+
+
+def rng_state() -> dict[str, Any]:
+    """Copies of every RNG state the process has: python, numpy (if imported), torch CPU, CUDA."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        state["numpy"] = np.random.get_state(legacy=True)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(bytes(t.tolist())).decode()
+
+
+def encode_rng(state: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """(fingerprints per component, JSON bytes of the whole state) on the writer thread."""
+    doc: dict[str, Any] = {}
+    version, internal, gauss = state["python"]
+    doc["python"] = [version, list(internal), gauss]
+    doc["torch"] = _b64(state["torch"])
+    if "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        doc["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    if "cuda" in state:
+        doc["cuda"] = [_b64(t) for t in state["cuda"]]
+    fps: dict[str, Any] = {}
+    for k, v in doc.items():
+        if k == "cuda":
+            fps[k] = [zlib.crc32(json.dumps(x).encode()) for x in v]
+        else:
+            fps[k] = zlib.crc32(json.dumps(v, separators=(",", ":")).encode())
+    return fps, json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_rng(data: bytes) -> dict[str, Any]:
+    """The inverse of encode_rng: states ready for the set_*state functions."""
+    doc = json.loads(data)
+    out: dict[str, Any] = {
+        "python": (doc["python"][0], tuple(doc["python"][1]), doc["python"][2]),
+        "torch": torch.frombuffer(bytearray(base64.b64decode(doc["torch"])), dtype=torch.uint8),
+    }
+    if "numpy" in doc:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = doc["numpy"]
+        out["numpy"] = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+    if "cuda" in doc:
+        out["cuda"] = [
+            torch.frombuffer(bytearray(base64.b64decode(x)), dtype=torch.uint8) for x in doc["cuda"]
+        ]
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+# ---------------------------------------------------------------------------------------------
+# Snapshots of a rank's own state
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly DTensor) tensor this rank holds."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _copy(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return local(x).detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        return {k: _copy(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_copy(v) for v in x)
+    return x
+
+
+def schedulers_of(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """LR schedulers driving this optimizer (found through the garbage collector: snapshots only)."""
+    kinds: tuple[type, ...] = (torch.optim.lr_scheduler.LRScheduler,)
+    plateau = getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None)
+    if plateau is not None:
+        kinds += (plateau,)
+    found = [r for r in gc.get_referrers(optimizer) if isinstance(r, kinds)]
+    # get_referrers sees the instance __dict__, not always the instance: look one level up.
+    for d in gc.get_referrers(optimizer):
+        if isinstance(d, dict) and d.get("optimizer") is optimizer:
+            found.extend(r for r in gc.get_referrers(d) if isinstance(r, kinds))
+    unique: dict[int, Any] = {id(s): s for s in found}
+    return sorted(unique.values(), key=lambda s: type(s).__name__)
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def snapshot_state(
+    optimizers: list[torch.optim.Optimizer], roots: list[torch.nn.Module], names: dict[int, str], step: int
+) -> dict[str, Any]:
+    """CPU copies of this rank's state at a step boundary (training thread: copies only)."""
+    opts = []
+    for opt in optimizers:
+        params = optimizer_params(opt)
+        opts.append(
+            {
+                "type": type(opt).__name__,
+                "param_names": [names.get(id(p), f"param{i}") for i, p in enumerate(params)],
+                "params": [_copy(p) for p in params],
+                "state": [_copy(opt.state.get(p, {})) for p in params],
+                "param_groups": [
+                    {k: _copy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
+                ],
+                "schedulers": [
+                    {"type": type(s).__name__, "state": _copy(s.state_dict())} for s in schedulers_of(opt)
+                ],
+            }
+        )
+    buffers = {}
+    for i, root in enumerate(roots):
+        for name, buf in root.named_buffers():
+            buffers[f"{i}.{name}"] = _copy(buf)
+    return {"format": 1, "step": step, "optimizers": opts, "buffers": buffers}
+
+
+def encode_snapshot(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def decode_snapshot(data: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)  # our own archive

@@ -1,0 +1,131 @@
+"""Attach the recorder to torch: every hook is reversible and guarded.
+
+- collectives: dispatcher kernels (``collectives.py``);
+- step boundaries: the global optimizer step pre/post hooks;
+- micro-steps and loss: ``torch.autograd.backward`` (which ``Tensor.backward`` calls);
+- batches: ``_BaseDataLoaderIter.__next__`` (single- and multi-process loaders);
+- root modules (for names and buffers): global forward pre/post hooks, during step 0 only.
+
+A guard turns any exception of ours into ``recorder.fail`` and lets the program's call proceed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.autograd
+from torch.nn.modules import module as nn_module
+from torch.optim import optimizer as optim_module
+from torch.utils.data import dataloader
+
+from fsdp_replay.agent.collectives import CollectiveInterceptor, Handler
+
+
+class Guarded:
+    """Calls ``fn`` only while the recorder is active, and never lets it raise."""
+
+    def __init__(self, owner: Any, where: str) -> None:
+        self.owner = owner
+        self.where = where
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., None]:
+        owner, where = self.owner, self.where
+
+        @functools.wraps(fn)
+        def guarded(*args: Any, **kwargs: Any) -> None:
+            if not owner.active():
+                return
+            try:
+                fn(*args, **kwargs)
+            except Exception as e:
+                owner.fail(where, e)
+
+        return guarded
+
+
+class Hooks:
+    """Installs the hooks for one owner (a Recorder, or the replayer's agent); ``remove`` undoes it."""
+
+    def __init__(self, owner: Any, handler: Handler | None = None) -> None:
+        self.owner = owner
+        self.handler = handler or owner
+        self._undo: list[Callable[[], None]] = []
+        self._module_hooks: list[Any] = []
+        self.interceptor: CollectiveInterceptor | None = None
+
+    def install(self) -> None:
+        owner = self.owner
+        self.interceptor = CollectiveInterceptor(self.handler, owner.fail)
+        self.interceptor.install()
+        self._undo.append(self.interceptor.uninstall)
+
+        begin = Guarded(owner, "optimizer step pre-hook")(lambda opt, _a, _k: owner.on_step_begin(opt))
+        end = Guarded(owner, "optimizer step post-hook")(lambda opt, _a, _k: owner.on_step_end(opt))
+        for handle in (
+            optim_module.register_optimizer_step_pre_hook(begin),
+            optim_module.register_optimizer_step_post_hook(end),
+        ):
+            self._undo.append(handle.remove)
+
+        self._patch(torch.autograd, "backward", self._backward)
+        self._patch(dataloader._BaseDataLoaderIter, "__next__", self._next)
+
+        depth = [0]
+
+        def pre(module: torch.nn.Module, _args: Any) -> None:
+            if depth[0] == 0:
+                owner.on_root_forward(module)
+            depth[0] += 1
+
+        def post(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
+            depth[0] = max(0, depth[0] - 1)
+
+        self._module_hooks = [
+            nn_module.register_module_forward_pre_hook(Guarded(owner, "forward pre-hook")(pre)),
+            nn_module.register_module_forward_hook(Guarded(owner, "forward hook")(post)),
+        ]
+        owner.on_step_zero_done = self.remove_module_hooks
+        self._undo.append(self.remove_module_hooks)
+
+    def remove_module_hooks(self) -> None:
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+
+    def _patch(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        original = getattr(obj, name)
+        wrapper = make(original)
+        functools.update_wrapper(wrapper, original)
+        setattr(obj, name, wrapper)
+        self._undo.append(lambda: setattr(obj, name, original))
+
+    def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        owner = self.owner
+        before = Guarded(owner, "backward")(owner.on_backward)
+        after = Guarded(owner, "backward")(owner.after_backward)
+
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            before(tensors)
+            result = original(tensors, *args, **kwargs)
+            after()
+            return result
+
+        return backward
+
+    def _next(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        owner = self.owner
+        seen = Guarded(owner, "DataLoader batch")(owner.on_batch)
+
+        def __next__(it: Any) -> Any:
+            batch = original(it)
+            seen(it, batch)
+            return batch
+
+        return __next__
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()

@@ -1,0 +1,456 @@
+"""The recorder: turns what the hooks see into spool events, on the training thread's budget.
+
+Everything here runs inside the program's own calls (a collective, ``optimizer.step``, ``next``
+on a DataLoader iterator, ``backward``), so it only fingerprints, copies and enqueues: encoding
+and disk I/O happen on the writer thread. Any exception of ours stops recording (``fail``):
+the program's own call always runs, and its own errors always reach it unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_replay.agent import capture
+from fsdp_replay.agent.collectives import P2P_OPS, CollectiveCall, wait_result, work_future
+from fsdp_replay.agent.config import AgentConfig
+from fsdp_replay.agent.fingerprint import fingerprint, host_values, nbytes_of
+from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
+from fsdp_replay.trace import schema
+from fsdp_replay.trace.spool import SpoolWriter, rank_dir
+
+log = logging.getLogger(__name__)
+FLUSH_TIMEOUT_S = 60.0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def encode_structure(x: Any, tensors: list[torch.Tensor]) -> Any:
+    """A batch as JSON with tensors replaced by their index in ``tensors`` (appended here)."""
+    if isinstance(x, torch.Tensor):
+        tensors.append(x)
+        return {"T": len(tensors) - 1}
+    if isinstance(x, dict):
+        return {"d": [[encode_structure(k, tensors), encode_structure(v, tensors)] for k, v in x.items()]}
+    if isinstance(x, tuple):
+        fields = getattr(x, "_fields", None)
+        items = [encode_structure(v, tensors) for v in x]
+        return {"n": [type(x).__name__, list(fields), items]} if fields else {"t": items}
+    if isinstance(x, list):
+        return {"l": [encode_structure(v, tensors) for v in x]}
+    if x is None or isinstance(x, bool | int | float | str):
+        return {"v": x}
+    return {"o": repr(x)[:200]}
+
+
+class Fault:
+    """``WHERE:N`` from FSDP_REPLAY_INJECT_FAULT: raise inside the agent at the N-th WHERE."""
+
+    def __init__(self, spec: str) -> None:
+        where, _, n = spec.partition(":")
+        self.where = where
+        self.n = int(n or 1)
+        self.count = 0
+
+    def check(self, where: str) -> None:
+        if where == self.where:
+            self.count += 1
+            if self.count == self.n:
+                raise RuntimeError(f"fault injected by FSDP_REPLAY_INJECT_FAULT at {where} #{self.n}")
+
+
+class Recorder:
+    """One per process: the state of recording and the callbacks the hooks call."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.pid = os.getpid()
+        self.recording = True
+        self.failed = False
+        self.errors = 0
+        self.writer: BackgroundWriter | None = None
+        self.rank = -1
+        self.t0 = time.monotonic_ns()
+        self.step = 0
+        self.micro = 0
+        self.seq = 0
+        self.step_colls = 0
+        self.payload_now = 0 in config.payloads
+        self.losses: list[Any] = []
+        self.pgs: dict[str, int] = {}
+        self.primary: weakref.ref[torch.optim.Optimizer] | None = None
+        self.roots: list[weakref.ref[torch.nn.Module]] = []
+        self.names: dict[int, str] = {}
+        self.inflight: dict[str, Any] | None = None
+        self.iterators: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+        self.loaders = 0
+        self.batches = 0
+        self.snapshots = 0
+        self.initial_rng = capture.rng_state()
+        self.fault = Fault(config.inject_fault) if config.inject_fault else None
+        self.finished = False
+        self._lock = threading.Lock()
+        self.on_step_zero_done: Callable[[], None] | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def active(self) -> bool:
+        # A forked child (DataLoader worker) inherits this object but not the writer thread.
+        return self.recording and os.getpid() == self.pid
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        """Stop recording after an internal error: log once, count, leave the program alone."""
+        self.errors += 1
+        if self.failed:
+            return
+        self.failed = True
+        self.recording = False
+        log.warning("fsdp-replay: internal error in %s, recording stopped: %r", where, exc)
+        if self.writer is not None:
+            self.writer.event(
+                {
+                    "type": schema.EV_AGENT_ERROR,
+                    "where": where,
+                    "message": repr(exc),
+                    "traceback": "".join(traceback.format_exception(exc))[-4000:],
+                }
+            )
+
+    def _check_fault(self, where: str) -> None:
+        if self.fault is not None:
+            self.fault.check(where)
+
+    def _ensure_started(self) -> BackgroundWriter:
+        if self.writer is not None:
+            return self.writer
+        with self._lock:
+            if self.writer is not None:
+                return self.writer
+            if dist.is_available() and dist.is_initialized():
+                rank, world = dist.get_rank(), dist.get_world_size()
+            else:
+                rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+            self.rank = rank
+            spool = SpoolWriter(rank_dir(Path(self.config.out) / schema.SPOOL_DIR, rank), rank)
+            writer = BackgroundWriter(spool, self.fail)
+            info = capture.process_info(rank, world, int(os.environ.get("LOCAL_RANK", 0)))
+            start = {
+                "type": schema.EV_RANK_START,
+                "format_version": schema.FORMAT_VERSION,
+                **info,
+                "policy": {
+                    "payloads": str(self.config.payloads),
+                    "payload_inputs": self.config.payload_inputs,
+                    "snapshot_every": self.config.snapshot_every,
+                    "sync_steps": self.config.sync_steps,
+                },
+                "start_ns": time.time_ns(),
+                "fingerprint_algos": {"cpu": schema.FP_ZLIB64, "cuda": schema.FP_LIN64},
+            }
+
+            def with_script() -> list[tuple[str, Any]]:
+                return [("ev", {**start, "script": capture.script_info()})]
+
+            writer.call(with_script)
+            self._write_rng(writer, -1, self.initial_rng)
+            self.writer = writer
+            return writer
+
+    def finish(self, reason: str = "exit") -> None:
+        """Write the end event and drain the writer (atexit, SIGTERM). Idempotent."""
+        if self.finished or os.getpid() != self.pid or self.writer is None:
+            return
+        self.finished = True
+        w = self.writer
+        self._write_modules(w)
+        counters = w.counters.as_dict()
+        counters["agent_errors"] = self.errors
+        counters["batches"] = self.batches
+        counters["snapshots"] = self.snapshots
+        w.event(
+            {
+                "type": schema.EV_END,
+                "reason": reason,
+                "steps": self.step,
+                "colls": self.seq,
+                "t_ns": time.monotonic_ns() - self.t0,
+                "counters": counters,
+                "inflight": self.inflight,
+            }
+        )
+        w.flush(FLUSH_TIMEOUT_S)
+        w.close()
+
+    def _write_modules(self, w: BackgroundWriter) -> None:
+        script = capture.script_info()["path"]
+        roots = [os.getcwd()] + ([os.path.dirname(script)] if script else [])
+        mods = capture.local_modules(roots)
+
+        def hashed() -> list[tuple[str, Any]]:
+            listing = [{"name": n, "path": p, "sha256": capture.sha256_file(p)} for n, p in mods]
+            return [("ev", {"type": schema.EV_MODULES, "modules": listing})]
+
+        w.call(hashed)
+
+    # -- tensors ------------------------------------------------------------------------------
+    def _tensor(self, role: str, t: torch.Tensor, store: bool) -> list[Any]:
+        w = self.writer
+        assert w is not None
+        t = capture.local(t)
+        fp, nf, algo = fingerprint(t)
+        blob: Any = schema.NO_BLOB
+        if store:
+            nbytes = nbytes_of(t)
+            if w.pending_bytes + nbytes > self.config.max_pending_bytes:
+                w.count_dropped(nbytes)
+            else:
+                blob = BlobRef()
+                if t.device.type == "cpu":
+                    copy = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
+                    w.blob(blob, copy, fp, nbytes, algo)
+                else:
+                    copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    copy.copy_(t.detach(), non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record()
+                    w.blob(blob, copy, fp, nbytes, algo, ready)
+        return [role, dtype_name(t.dtype), list(t.shape), fp, algo, nf, blob, t.device.type]
+
+    # -- collectives --------------------------------------------------------------------------
+    def _pg(self, pg: dist.ProcessGroup | None) -> int:
+        if pg is None:
+            return -1
+        name = pg.group_name
+        if name in self.pgs:
+            return self.pgs[name]
+        pid = len(self.pgs)
+        self.pgs[name] = pid
+        try:
+            ranks = dist.get_process_group_ranks(pg)
+        except Exception:  # a group created outside the world's registry
+            ranks = []
+        try:
+            backend = str(dist.get_backend(pg))
+        except Exception:
+            backend = pg.name()
+        assert self.writer is not None
+        self.writer.event(
+            {
+                "type": schema.EV_PROCESS_GROUP,
+                "pg": pid,
+                "name": name,
+                "ranks": ranks,
+                "backend": backend,
+                "size": pg.size(),
+                "group_rank": pg.rank(),
+            }
+        )
+        return pid
+
+    def run(self, call: CollectiveCall, real: Callable[[], Any]) -> Any:
+        try:
+            self._check_fault("coll")
+            self._ensure_started()
+            store_in = self.payload_now and self.config.payload_inputs
+            event: dict[str, Any] = {
+                "type": schema.EV_COLLECTIVE,
+                "seq": self.seq,
+                "step": self.step,
+                "micro": self.micro,
+                "op": call.op,
+                "pg": self._pg(call.process_group),
+                "reduce_op": call.reduce_op,
+                "root": call.bound.get("root_rank", call.bound.get("dst", call.bound.get("src"))),
+                "t_ns": time.monotonic_ns() - self.t0,
+                "dur_ns": 0,
+                "tensors": [self._tensor("i", t, store_in) for t in call.inputs],
+            }
+            extra = call.extra
+            if extra:
+                event["extra"] = extra
+            self.seq += 1
+            self.inflight = {k: event[k] for k in ("seq", "step", "op", "pg")}
+        except Exception as e:
+            self.fail(f"collective {call.op}", e)
+            return real()
+        result = real()
+        if call.op in P2P_OPS and call.outputs and call.outputs[0].device.type == "cpu":
+            # Waiting here could deadlock a program that posts irecv before isend on both sides.
+            work_future(result).then(lambda _f: self._complete(call, event))
+        else:
+            wait_result(result)  # the program's own error (a timeout, an abort) propagates
+            self._complete(call, event)
+        return result
+
+    def _complete(self, call: CollectiveCall, event: dict[str, Any]) -> None:
+        try:
+            if not self.active():
+                return
+            event["tensors"] += [self._tensor("o", t, self.payload_now) for t in call.outputs]
+            event["dur_ns"] = time.monotonic_ns() - self.t0 - event["t_ns"]
+            assert self.writer is not None
+            self.writer.event(event)
+            self.step_colls += 1
+            if self.inflight is not None and self.inflight["seq"] == event["seq"]:
+                self.inflight = None
+        except Exception as e:
+            self.fail(f"collective {call.op}", e)
+
+    # -- steps --------------------------------------------------------------------------------
+    def on_step_begin(self, opt: torch.optim.Optimizer) -> None:
+        if self.primary is None:
+            self.primary = weakref.ref(opt)
+            self._ensure_started()
+            self._name_params(opt)
+            self._snapshot(opt)  # step 0: the initial parameters, before the first update
+
+    def on_step_end(self, opt: torch.optim.Optimizer) -> None:
+        if self.primary is None or self.primary() is not opt:
+            return
+        self._check_fault("step")
+        w = self._ensure_started()
+        params = [fingerprint(capture.local(p)) for p in capture.optimizer_params(opt)]
+        loss = host_values(torch.stack(self.losses)) if self.losses else []
+        w.event(
+            {
+                "type": schema.EV_STEP,
+                "step": self.step,
+                "micro_steps": self.micro,
+                "colls": self.step_colls,
+                "params": [[fp, nf, algo] for fp, nf, algo in params],
+                "loss": loss,
+                "t_ns": time.monotonic_ns() - self.t0,
+            }
+        )
+        if self.step == 0:
+            self._write_modules(w)
+            if self.on_step_zero_done is not None:
+                self.on_step_zero_done()
+        self.step += 1
+        self.micro = 0
+        self.step_colls = 0
+        self.losses = []
+        self.payload_now = self.step in self.config.payloads
+        self._write_rng(w, self.step, capture.rng_state())
+        every = self.config.snapshot_every
+        if every and self.step % every == 0:
+            self._snapshot(opt)
+        if self.config.sync_steps and not w.flush(FLUSH_TIMEOUT_S):
+            log.warning(
+                "fsdp-replay: the spool writer did not finish step %d within %.0fs",
+                self.step - 1,
+                FLUSH_TIMEOUT_S,
+            )
+
+    def _name_params(self, opt: torch.optim.Optimizer) -> None:
+        for ref in self.roots:
+            root = ref()
+            if root is not None:
+                for name, p in root.named_parameters():
+                    self.names.setdefault(id(p), name)
+
+    def _write_rng(self, w: BackgroundWriter, step: int, state: dict[str, Any]) -> None:
+        def encoded() -> list[tuple[str, Any]]:
+            fps, data = capture.encode_rng(state)
+            ref = BlobRef()
+            return [
+                ("raw", (ref, data)),
+                ("ev", {"type": schema.EV_RNG, "step": step, "states": {**fps, "blob": ref}}),
+            ]
+
+        w.call(encoded)
+
+    def _snapshot(self, opt: torch.optim.Optimizer) -> None:
+        w = self._ensure_started()
+        roots = [m for m in (r() for r in self.roots) if m is not None]
+        state = capture.snapshot_state([opt], roots, self.names, self.step)
+        names = state["optimizers"][0]["param_names"]
+        metas = [
+            [n, *self._tensor("", p, False)[1:6]]
+            for n, p in zip(names, state["optimizers"][0]["params"], strict=True)
+        ]
+        step = self.step
+        self.snapshots += 1
+
+        def encoded() -> list[tuple[str, Any]]:
+            data = capture.encode_snapshot(state)
+            ref = BlobRef()
+            return [
+                ("raw", (ref, data)),
+                (
+                    "ev",
+                    {
+                        "type": schema.EV_SNAPSHOT,
+                        "step": step,
+                        "blob": ref,
+                        "nbytes": len(data),
+                        "params": metas,
+                    },
+                ),
+            ]
+
+        w.call(encoded)
+
+    # -- backward, batches, modules -----------------------------------------------------------
+    def on_backward(self, tensors: Any) -> None:
+        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+            self.losses.append(tensors.detach().reshape(()).to(torch.float64))
+
+    def after_backward(self) -> None:
+        self.micro += 1
+
+    def on_batch(self, iterator: Any, batch: Any) -> None:
+        self._check_fault("batch")
+        w = self._ensure_started()
+        slot = self.iterators.get(iterator)
+        if slot is None:
+            slot = self.iterators[iterator] = [self.loaders, 0]
+            self.loaders += 1
+        leaves: list[torch.Tensor] = []
+        structure = encode_structure(batch, leaves)
+        w.event(
+            {
+                "type": schema.EV_BATCH,
+                "step": self.step,
+                "micro": self.micro,
+                "index": slot[1],
+                "loader": slot[0],
+                "structure": structure,
+                "tensors": [self._tensor("", t, self.payload_now) for t in leaves],
+            }
+        )
+        slot[1] += 1
+        self.batches += 1
+
+    def on_root_forward(self, module: torch.nn.Module) -> None:
+        if all(r() is not module for r in self.roots):
+            self.roots.append(weakref.ref(module))
+
+    # -- signals ------------------------------------------------------------------------------
+    def install_sigterm(self) -> None:
+        """Finish the trace on SIGTERM (torchrun's way of stopping workers), then die as before."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # the program handles SIGTERM itself; atexit still runs if it exits
+
+        def on_term(signum: int, _frame: Any) -> None:
+            try:
+                self.finish(reason="SIGTERM")
+            finally:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, on_term)

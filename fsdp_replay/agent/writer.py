@@ -1,0 +1,209 @@
+"""The agent's background writer: the only code that touches the spool.
+
+The training thread only enqueues; this thread resolves device values (``Pending``), assigns
+content-addressed blob ids, encodes JSON and appends records. Identical payload bytes within a
+rank are written once: a blob whose (fingerprint, size, algorithm) was seen before becomes an
+alias of the first one. A full disk degrades in a fixed order: payload blobs are dropped first
+(and counted), events are kept in a bounded retry buffer and written when space returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_replay.agent.fingerprint import Pending, host_buffer
+from fsdp_replay.trace import schema
+from fsdp_replay.trace.spool import SpoolWriter
+
+log = logging.getLogger(__name__)
+RETRY_EVENTS_MAX = 100_000
+
+
+class BlobRef:
+    """A blob id, final once the writer has stored (or deduplicated, or dropped) the blob."""
+
+    __slots__ = ("id",)
+
+    def __init__(self) -> None:
+        self.id = schema.NO_BLOB
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, BlobRef):
+        return o.id
+    if isinstance(o, Pending):
+        return o.value()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+class Counters:
+    """What the agent did and what it had to give up; reported in the ``end`` event."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.blobs = 0
+        self.blob_bytes = 0
+        self.blobs_deduplicated = 0
+        self.dedup_bytes_saved = 0
+        self.blobs_dropped = 0
+        self.blob_bytes_dropped = 0
+        self.events_dropped = 0
+        self.write_errors = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class BackgroundWriter:
+    def __init__(self, spool: SpoolWriter, on_error: Callable[[str, BaseException], None]) -> None:
+        self.spool = spool
+        self.on_error = on_error
+        self.counters = Counters()
+        self.pending_bytes = 0  # payload bytes enqueued and not yet written (read by the agent)
+        self._q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._dedup: dict[tuple[Any, int, str], int] = {}
+        self._next_blob = 0
+        self._retry: collections.deque[bytes] = collections.deque()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="fsdp-replay-writer", daemon=True)
+        self._thread.start()
+
+    # -- training-thread side ---------------------------------------------------------------
+    def event(self, obj: dict[str, Any]) -> None:
+        self._q.put(("ev", obj))
+
+    def blob(self, ref: BlobRef, data: Any, fp: Any, nbytes: int, algo: str, ready: Any = None) -> None:
+        """Enqueue payload bytes. ``data`` is a CPU tensor or bytes; ``ready`` an event to wait on."""
+        with self._lock:
+            self.pending_bytes += nbytes
+        self._q.put(("blob", (ref, data, fp, nbytes, algo, ready)))
+
+    def call(self, fn: Callable[[], list[tuple[str, Any]]]) -> None:
+        """Run fn on the writer thread; it returns more ("ev", obj) / ("raw", (ref, bytes)) items."""
+        self._q.put(("call", fn))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything enqueued so far is written. False on timeout."""
+        if not self._thread.is_alive():
+            return False
+        done = threading.Event()
+        self._q.put(("flush", done))
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self._q.put(("stop", None))
+            self._thread.join(timeout)
+        self.spool.close()
+
+    # -- writer-thread side -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            kind, item = self._q.get()
+            try:
+                if kind == "stop":
+                    self._drain_retry()
+                    return
+                if kind == "flush":
+                    self._drain_retry()
+                    item.set()
+                elif kind == "ev":
+                    self._write_event(item)
+                elif kind == "blob":
+                    self._write_blob(*item)
+                elif kind == "call":
+                    for k2, i2 in item():
+                        if k2 == "ev":
+                            self._write_event(i2)
+                        else:
+                            ref, raw = i2
+                            self._write_raw(ref, raw)
+            except BaseException as e:  # a bug here must stop recording, never the training
+                self.on_error("writer", e)
+                if kind == "flush":
+                    item.set()
+
+    def _write_event(self, obj: dict[str, Any]) -> None:
+        # Encoding resolves Pending/BlobRef values, so a retried event holds no device memory.
+        data = json.dumps(obj, default=_json_default, separators=(",", ":")).encode()
+        if self._retry:
+            self._drain_retry()
+        if self._retry:
+            self._queue_retry(data)
+            return
+        try:
+            self.spool.append(schema.KIND_EVENT, data)
+            self.counters.events += 1
+        except OSError as e:
+            self._note_write_error(e)
+            self._queue_retry(data)
+
+    def _queue_retry(self, obj: bytes) -> None:
+        if len(self._retry) >= RETRY_EVENTS_MAX:
+            self._retry.popleft()
+            self.counters.events_dropped += 1
+        self._retry.append(obj)
+
+    def _drain_retry(self) -> None:
+        while self._retry:
+            try:
+                self.spool.append(schema.KIND_EVENT, self._retry[0])
+            except OSError as e:
+                self._note_write_error(e)
+                return
+            self._retry.popleft()
+            self.counters.events += 1
+
+    def _note_write_error(self, e: OSError) -> None:
+        if self.counters.write_errors == 0:
+            what = "the disk is full" if e.errno == errno.ENOSPC else str(e)
+            log.warning("fsdp-replay: cannot write the spool (%s); dropping payloads, keeping metadata", what)
+        self.counters.write_errors += 1
+
+    def _write_blob(self, ref: BlobRef, data: Any, fp: Any, nbytes: int, algo: str, ready: Any) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()
+            fpv = fp.value() if isinstance(fp, Pending) else fp
+            key = (fpv, nbytes, algo)
+            if key in self._dedup:
+                ref.id = self._dedup[key]
+                self.counters.blobs_deduplicated += 1
+                self.counters.dedup_bytes_saved += nbytes
+                return
+            buf = data if isinstance(data, bytes | bytearray | memoryview) else host_buffer(data)
+            if self._write_raw(ref, buf):
+                self._dedup[key] = ref.id
+        finally:
+            with self._lock:
+                self.pending_bytes -= nbytes
+
+    def _write_raw(self, ref: BlobRef, raw: Any) -> bool:
+        nbytes = memoryview(raw).nbytes
+        blob_id = self._next_blob
+        try:
+            self.spool.append(schema.KIND_BLOB, {"blob": blob_id, "nbytes": nbytes}, raw)
+        except OSError as e:
+            self._note_write_error(e)
+            self.counters.blobs_dropped += 1
+            self.counters.blob_bytes_dropped += nbytes
+            ref.id = schema.NO_BLOB
+            return False
+        self._next_blob += 1
+        ref.id = blob_id
+        self.counters.blobs += 1
+        self.counters.blob_bytes += nbytes
+        return True
+
+    def count_dropped(self, nbytes: int) -> None:
+        """Called by the agent for payloads it did not even enqueue (memory bound reached)."""
+        with self._lock:
+            self.counters.blobs_dropped += 1
+            self.counters.blob_bytes_dropped += nbytes

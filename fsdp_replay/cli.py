@@ -1,0 +1,233 @@
+"""The one command line: ``fsdp-replay record | collect | inspect``.
+
+Every option is also an environment variable (``FSDP_REPLAY_<OPTION>``), so a pod spec can
+configure it without arguments. Exit codes: 0 success, 1 divergence found, 2 usage error,
+3 unusable input (missing, truncated or foreign trace); ``record`` returns its command's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fsdp_replay import __version__
+from fsdp_replay.errors import ConfigError, FsdpReplayError, TraceFormatError, TraceNotFoundError
+
+EXIT_OK = 0
+EXIT_DIVERGED = 1
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+ENV_PREFIX = "FSDP_REPLAY_"
+
+
+def _env_default(name: str, default: Any) -> Any:
+    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+
+def _env_flag(name: str) -> bool:
+    return str(_env_default(name, "0")).lower() in ("1", "true", "yes", "on")
+
+
+def resolve_trace(path: str) -> str:
+    """A run folder (holding trace.zarr) or the trace itself."""
+    from fsdp_replay.trace import schema
+
+    if "://" not in path and (Path(path) / schema.TRACE_DIR).is_dir():
+        return str(Path(path) / schema.TRACE_DIR)
+    return path
+
+
+# -- record -----------------------------------------------------------------------------------
+def cmd_record(args: argparse.Namespace) -> int:
+    from fsdp_replay.agent.config import AgentConfig, StepSet
+    from fsdp_replay.launch import agent_env, run_command
+    from fsdp_replay.trace import schema
+    from fsdp_replay.trace.redact import redact_argv
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError(
+            "nothing to record: give the command after --, e.g. "
+            "fsdp-replay record --out run1 -- torchrun --nproc_per_node 2 train.py"
+        )
+    out = Path(args.out or f"fsdp-replay-runs/{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    spool_dir = out / schema.SPOOL_DIR
+    if spool_dir.exists() and any(spool_dir.iterdir()):
+        raise ConfigError(f"{out} already holds a recording; choose another --out (runs are never mixed)")
+    out.mkdir(parents=True, exist_ok=True)
+    config = AgentConfig(
+        mode="record",
+        out=str(out),
+        payloads=StepSet.parse(args.payloads),
+        payload_inputs=args.payload_inputs,
+        snapshot_every=int(args.snapshot_every),
+        sync_steps=not args.no_sync_steps,
+    )
+    env = agent_env(out, config.to_env())
+    print(f"fsdp-replay: recording into {out}", file=sys.stderr)
+    code, info = run_command(command, env)
+    run = {"command": redact_argv(command), "exit_code": code, **info, "fsdp_replay": __version__}
+    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    if args.no_collect:
+        return code
+    if not spool_dir.exists():
+        print(
+            f"fsdp-replay: the command recorded nothing (exit code {code}): no Python process of it "
+            "imported torch with the agent enabled",
+            file=sys.stderr,
+        )
+        return code if code else EXIT_BAD_INPUT
+    report = _collect(out, run)
+    _print_collect(report)
+    if code:
+        print(
+            f"fsdp-replay: the command exited with code {code}; the trace holds everything it wrote "
+            "before that",
+            file=sys.stderr,
+        )
+    return code
+
+
+def _collect(out: Path, run: dict[str, Any] | None = None, strict: bool = False) -> Any:
+    from fsdp_replay.trace import schema
+    from fsdp_replay.trace.collect import collect
+
+    if run is None and (out / "run.json").is_file():
+        run = json.loads((out / "run.json").read_text())
+    return collect(out / schema.SPOOL_DIR, out / schema.TRACE_DIR, run=run, strict=strict)
+
+
+def _print_collect(report: Any) -> None:
+    for r in report.ranks:
+        status = "complete" if r.clean_end else "INCOMPLETE (process ended without closing its spool)"
+        print(
+            f"  rank {r.rank}: {r.steps} steps, {r.collectives} collectives, {r.batches} batches, "
+            f"{r.blobs_written} blobs written ({r.blob_bytes / 1e6:.1f} MB), {r.blobs_shared} shared; {status}",
+            file=sys.stderr,
+        )
+        for d in r.damage:
+            print(f"  rank {r.rank}: DAMAGED spool, skipped: {d}", file=sys.stderr)
+        if r.payload_missing:
+            print(
+                f"  rank {r.rank}: {r.payload_missing} payloads referenced but not stored (dropped)",
+                file=sys.stderr,
+            )
+    print(f"fsdp-replay: trace written to {report.trace} in {report.seconds:.1f}s", file=sys.stderr)
+
+
+# -- collect ----------------------------------------------------------------------------------
+def cmd_collect(args: argparse.Namespace) -> int:
+    out = Path(args.run)
+    report = _collect(out, strict=args.strict)
+    _print_collect(report)
+    return EXIT_BAD_INPUT if report.damaged else EXIT_OK
+
+
+# -- inspect ----------------------------------------------------------------------------------
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from fsdp_replay.trace.reader import Trace
+    from fsdp_replay.trace.summary import summarize
+
+    trace = Trace.open(resolve_trace(args.trace))
+    summary = summarize(trace, [args.rank] if args.rank is not None else None)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        from fsdp_replay.render import print_summary
+
+        print_summary(summary, verbose=args.verbose)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fsdp-replay", description=__doc__.split("\n")[0] if __doc__ else None)
+    p.add_argument("--version", action="version", version=f"fsdp-replay {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser(
+        "record",
+        help="run a command with recording on, then build its trace",
+        description="Record a training command without changing it, like `nsys profile`. "
+        "Example: fsdp-replay record --out run1 -- torchrun --nproc_per_node 2 train.py",
+    )
+    r.add_argument(
+        "--out",
+        default=_env_default("out", None),
+        help="run folder (env FSDP_REPLAY_OUT; default fsdp-replay-runs/<time>)",
+    )
+    r.add_argument(
+        "--payloads",
+        default=_env_default("payloads", "all"),
+        help="steps whose collective outputs and batches are stored: none, all, steps:0-3,10 "
+        "(env FSDP_REPLAY_PAYLOADS; default all)",
+    )
+    r.add_argument(
+        "--payload-inputs",
+        action="store_true",
+        default=_env_flag("payload_inputs"),
+        help="also store collective inputs (env FSDP_REPLAY_PAYLOAD_INPUTS)",
+    )
+    r.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=int(_env_default("snapshot_every", 0)),
+        help="snapshot each rank's state every N steps; step 0 always (env FSDP_REPLAY_SNAPSHOT_EVERY)",
+    )
+    r.add_argument(
+        "--no-sync-steps",
+        action="store_true",
+        default=not _env_flag("sync_steps") if ENV_PREFIX + "SYNC_STEPS" in os.environ else False,
+        help="do not wait for each step's records at the step end (faster, weaker crash guarantee)",
+    )
+    r.add_argument(
+        "--no-collect",
+        action="store_true",
+        help="leave the spools; build the trace later with `fsdp-replay collect`",
+    )
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- the command to record")
+    r.set_defaults(func=cmd_record)
+
+    c = sub.add_parser("collect", help="build (or rebuild) a run's trace from its spools")
+    c.add_argument("run", help="the run folder given to record --out")
+    c.add_argument("--strict", action="store_true", help="fail at the first damaged record")
+    c.set_defaults(func=cmd_collect)
+
+    i = sub.add_parser("inspect", help="summarize a trace")
+    i.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
+    i.add_argument("--rank", type=int, default=None, help="only this rank")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("-v", "--verbose", action="store_true", help="also show environment details")
+    i.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ConfigError, ValueError) as e:
+        if isinstance(e, TraceFormatError):
+            print(f"fsdp-replay: unusable trace: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"fsdp-replay: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (TraceNotFoundError, TraceFormatError) as e:
+        print(f"fsdp-replay: unusable trace: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except FsdpReplayError as e:
+        print(f"fsdp-replay: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

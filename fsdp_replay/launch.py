@@ -1,0 +1,78 @@
+"""Run a command with the agent enabled: what ``fsdp-replay record`` (and later ``replay``) do.
+
+The agent reaches the program's Python processes through PYTHONPATH: our ``sitecustomize``
+first, then a folder holding only the ``fsdp_replay`` package (never a whole site-packages,
+which would reorder the program's own imports). The program's own PYTHONPATH is kept after ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import fsdp_replay
+
+BOOT_DIR = Path(fsdp_replay.__file__).parent / "agent" / "boot"
+PACKAGE_DIR = Path(fsdp_replay.__file__).parent
+AGENT_PATH_DIR = ".agent-path"
+
+
+def agent_pythonpath(run_dir: Path, existing: str | None) -> str:
+    link_root = run_dir / AGENT_PATH_DIR
+    link_root.mkdir(parents=True, exist_ok=True)
+    link = link_root / "fsdp_replay"
+    if not link.exists():
+        link.symlink_to(PACKAGE_DIR, target_is_directory=True)
+    parts = [str(BOOT_DIR), str(link_root)]
+    if existing:
+        parts.append(existing)
+    return os.pathsep.join(parts)
+
+
+def agent_env(
+    run_dir: Path, settings: Mapping[str, str], base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update(settings)
+    env["PYTHONPATH"] = agent_pythonpath(run_dir, env.get("PYTHONPATH"))
+    return env
+
+
+def run_command(
+    command: Sequence[str], env: Mapping[str, str], cwd: str | None = None
+) -> tuple[int, dict[str, Any]]:
+    """Run ``command`` in its own process group; forward SIGINT/SIGTERM; return (exit code, info).
+
+    The exit code follows the shell's convention (128 + N when killed by signal N).
+    """
+    t0 = time.time()
+    try:
+        proc = subprocess.Popen(list(command), env=dict(env), cwd=cwd, start_new_session=True)
+    except FileNotFoundError:
+        return 127, {"error": f"command not found: {command[0]}", "start": t0, "end": time.time()}
+    forwarded: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        forwarded.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    code = 128 - rc if rc < 0 else rc
+    return code, {"start": t0, "end": time.time(), "returncode": rc, "signals_forwarded": forwarded}
+
+
+def python_executable() -> str:
+    return sys.executable

@@ -1,0 +1,111 @@
+"""Human-readable output with rich (tables, colours when on a terminal)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Console | None = None) -> None:
+    con = console or Console()
+    run = summary.get("run") or {}
+    con.print(f"[bold]trace[/bold] {summary['trace']}  (format v{summary['format_version']})")
+    con.print(
+        f"world size {summary['world_size']}, ranks present {summary['ranks']}"
+        + (f", [red]missing {summary['missing_ranks']}[/red]" if summary["missing_ranks"] else "")
+    )
+    if run:
+        con.print(f"command: {' '.join(run.get('command', []))}  (exit code {run.get('exit_code')})")
+
+    t = Table(title="ranks")
+    for col in (
+        "rank",
+        "steps",
+        "micro",
+        "collectives",
+        "batches",
+        "snapshots",
+        "payloads (outputs)",
+        "payload steps",
+        "stored",
+        "loss first→last",
+        "end",
+    ):
+        t.add_column(col)
+    for r in summary["per_rank"]:
+        cov = r["payload_coverage"]
+        end = r["end"]
+        end_s = "[red]none (killed?)[/red]" if end is None else str(end.get("reason"))
+        loss = "" if r["first_loss"] is None else f"{r['first_loss']:.4g}→{r['last_loss']:.4g}"
+        t.add_row(
+            str(r["rank"]),
+            str(r["steps"]),
+            str(r["micro_steps"]),
+            str(r["collectives"]),
+            str(r["batches"]),
+            ",".join(map(str, r["snapshots"])) or "-",
+            f"{cov['with_payload']}/{cov['outputs']}",
+            cov["steps"],
+            _mb(r["payload_bytes"]),
+            loss,
+            end_s,
+        )
+    con.print(t)
+
+    ops = Table(title="collectives by op and process group (per rank)")
+    for col in ("rank", "op", "pg", "count", "output bytes"):
+        ops.add_column(col)
+    for r in summary["per_rank"]:
+        for row in r["by_op"]:
+            ops.add_row(
+                str(r["rank"]),
+                row["op"],
+                str(row["pg"]),
+                str(row["count"]),
+                _mb(r["output_bytes_by_op"].get(row["op"], 0)),
+            )
+    con.print(ops)
+
+    for r in summary["per_rank"]:
+        for d in r["damage"]:
+            con.print(f"[red]rank {r['rank']} damaged spool (skipped):[/red] {d}")
+        for e in r["agent_errors"]:
+            con.print(
+                f"[yellow]rank {r['rank']} agent stopped recording:[/yellow] {e['where']}: {e['message']}"
+            )
+        if r["payload_missing"]:
+            con.print(f"[yellow]rank {r['rank']}: {r['payload_missing']} payloads were dropped[/yellow]")
+        if r["nonfinite_steps"]:
+            con.print(f"[red]rank {r['rank']}: non-finite values at steps {r['nonfinite_steps'][:10]}[/red]")
+        end = r["end"] or {}
+        counters = end.get("counters") or {}
+        if counters.get("blobs_dropped"):
+            con.print(
+                f"[yellow]rank {r['rank']}: {counters['blobs_dropped']} payloads dropped "
+                f"({_mb(counters['blob_bytes_dropped'])}); metadata kept[/yellow]"
+            )
+
+    if summary["per_rank"]:
+        env = summary["per_rank"][0]["environment"]
+        v = env.get("versions") or {}
+        th = env.get("threads") or {}
+        det = env.get("determinism") or {}
+        con.print(
+            f"environment (rank {summary['per_rank'][0]['rank']}): python {v.get('python')}, torch "
+            f"{v.get('torch')}, cuda {v.get('cuda')}, nccl {v.get('nccl')}; intra-op threads "
+            f"{th.get('intra_op')}; deterministic algorithms {det.get('use_deterministic_algorithms')}"
+        )
+        script = env.get("script") or {}
+        con.print(
+            f"script {script.get('path')} sha256 {str(script.get('sha256'))[:16]}…  policy {env.get('policy')}"
+        )
+        if verbose:
+            con.print("argv:", env.get("argv"))
+            con.print("env:", env.get("env"))
+            con.print("determinism:", det)

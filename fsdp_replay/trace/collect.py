@@ -1,0 +1,489 @@
+"""The collector: per-rank spools in, one Zarr v3 trace out.
+
+Runs after ``fsdp-replay record`` (and, in Kubernetes, in the sidecar). It never deletes or
+changes a spool: a damaged record is reported (file and byte offset) and skipped, and everything
+else is still converted. Payload blobs are content-addressed by BLAKE2b-128 of their bytes, so
+identical bytes from any rank are stored once in ``blobs/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from fsdp_replay.errors import TraceFormatError
+from fsdp_replay.trace import schema, spool
+from fsdp_replay.trace.store import BLOB_CHUNK, COLUMN_CHUNK, blob_codecs, column_codecs, open_root
+
+# Column name -> numpy dtype, per table. Every table is a group of equal-length 1-D arrays.
+TABLES: dict[str, dict[str, str]] = {
+    "collectives": {
+        "seq": "int64",
+        "step": "int64",
+        "micro": "int32",
+        "op": "int16",
+        "pg": "int32",
+        "reduce_op": "int16",
+        "root": "int32",
+        "t_ns": "int64",
+        "dur_ns": "int64",
+        "tensor_start": "int64",
+        "tensor_count": "int32",
+    },
+    "tensors": {
+        "coll": "int64",
+        "role": "uint8",
+        "dtype": "int16",
+        "shape_start": "int64",
+        "ndim": "int16",
+        "nbytes": "int64",
+        "fp": "uint64",
+        "algo": "int16",
+        "nonfinite": "bool",
+        "payload": "int64",
+        "device": "int16",
+    },
+    "batches": {
+        "step": "int64",
+        "micro": "int32",
+        "index": "int64",
+        "loader": "int32",
+        "structure": "int32",
+        "tensor_start": "int64",
+        "tensor_count": "int32",
+    },
+    "batch_tensors": {
+        "batch": "int64",
+        "dtype": "int16",
+        "shape_start": "int64",
+        "ndim": "int16",
+        "nbytes": "int64",
+        "fp": "uint64",
+        "algo": "int16",
+        "nonfinite": "bool",
+        "payload": "int64",
+        "device": "int16",
+    },
+    "steps": {
+        "step": "int64",
+        "micro_steps": "int32",
+        "colls": "int64",
+        "t_ns": "int64",
+        "param_start": "int64",
+        "param_count": "int32",
+        "loss_start": "int64",
+        "loss_count": "int32",
+        "nonfinite": "bool",
+    },
+    "step_params": {"fp": "uint64", "nonfinite": "bool", "algo": "int16"},
+    "losses": {"value": "float64"},
+    "shapes": {"dim": "int64"},
+    "rng": {"step": "int64", "payload": "int64", "python": "int64", "torch": "int64", "numpy": "int64"},
+    "payloads": {"digest_hi": "uint64", "digest_lo": "uint64", "nbytes": "int64"},
+}
+ROLE_CODES = {"i": 0, "o": 1, "": 2}
+
+
+class Names:
+    """A string table stored in the rank's attrs: code = index."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._codes: dict[str, int] = {}
+
+    def code(self, name: str | None) -> int:
+        if name is None:
+            return -1
+        c = self._codes.get(name)
+        if c is None:
+            c = self._codes[name] = len(self.names)
+            self.names.append(name)
+        return c
+
+
+def blob_path(digest: str) -> str:
+    return f"{schema.BLOBS_GROUP}/{digest[:2]}/{digest}"
+
+
+def digest_of(data: bytes | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass(slots=True)
+class RankReport:
+    rank: int
+    records: int = 0
+    collectives: int = 0
+    steps: int = 0
+    batches: int = 0
+    blobs_written: int = 0
+    blobs_shared: int = 0
+    blob_bytes: int = 0
+    payload_missing: int = 0
+    damage: list[str] = field(default_factory=list)
+    clean_end: bool = False
+
+
+@dataclass(slots=True)
+class CollectReport:
+    trace: str
+    ranks: list[RankReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def damaged(self) -> bool:
+        return any(r.damage for r in self.ranks)
+
+
+class _RankBuilder:
+    """Accumulates one rank's events into columns; blobs go straight to the store."""
+
+    def __init__(self, root: zarr.Group, rank: int, report: RankReport) -> None:
+        self.root = root
+        self.rank = rank
+        self.report = report
+        self.cols: dict[str, dict[str, list[Any]]] = {t: {c: [] for c in cs} for t, cs in TABLES.items()}
+        self.names = {k: Names() for k in ("op", "dtype", "reduce_op", "algo", "device")}
+        self.attrs: dict[str, Any] = {
+            "rank_start": None,
+            "process_groups": [],
+            "snapshots": [],
+            "modules": [],
+            "end": None,
+            "agent_errors": [],
+            "drops": [],
+            "structures": [],
+            "attempts": 0,
+        }
+        self._structures: dict[str, int] = {}
+        self.blob_payload: dict[int, int] = {}  # spool blob id (per attempt) -> payload row
+        self._digests: dict[str, int] = {}
+
+    # -- blobs --------------------------------------------------------------------------------
+    def blob(self, blob_id: int, raw: memoryview) -> None:
+        digest = digest_of(raw)
+        row = self._digests.get(digest)
+        if row is None:
+            path = blob_path(digest)
+            if _exists(self.root, path):
+                self.report.blobs_shared += 1
+            else:
+                arr = self.root.create_array(
+                    path,
+                    shape=(raw.nbytes,),
+                    dtype="uint8",
+                    chunks=(min(BLOB_CHUNK, max(raw.nbytes, 1)),),
+                    compressors=blob_codecs(),
+                    fill_value=0,
+                    overwrite=True,
+                )
+                if raw.nbytes:
+                    arr[:] = np.frombuffer(raw, dtype=np.uint8)
+                self.report.blobs_written += 1
+                self.report.blob_bytes += raw.nbytes
+            row = len(self.cols["payloads"]["nbytes"])
+            hi, lo = int(digest[:16], 16), int(digest[16:], 16)
+            self.cols["payloads"]["digest_hi"].append(hi)
+            self.cols["payloads"]["digest_lo"].append(lo)
+            self.cols["payloads"]["nbytes"].append(raw.nbytes)
+            self._digests[digest] = row
+        self.blob_payload[blob_id] = row
+
+    def _payload(self, blob_id: int) -> int:
+        if blob_id == schema.NO_BLOB:
+            return -1
+        row = self.blob_payload.get(blob_id)
+        if row is None:
+            self.report.payload_missing += 1
+            return -1
+        return row
+
+    # -- events -------------------------------------------------------------------------------
+    def _shape(self, shape: list[int]) -> int:
+        start = len(self.cols["shapes"]["dim"])
+        self.cols["shapes"]["dim"].extend(shape)
+        return start
+
+    def _tensor_cols(self, t: list[Any]) -> dict[str, Any]:
+        role, dtype, shape, fp, algo, nonfinite, blob, device = t
+        del role
+        nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        return {
+            "dtype": self.names["dtype"].code(dtype),
+            "shape_start": self._shape(shape),
+            "ndim": len(shape),
+            "nbytes": nbytes,
+            "fp": int(fp),
+            "algo": self.names["algo"].code(algo),
+            "nonfinite": bool(nonfinite),
+            "payload": self._payload(int(blob)),
+            "device": self.names["device"].code(device),
+        }
+
+    def event(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("type")
+        handler: Callable[[dict[str, Any]], None] | None = getattr(self, f"_ev_{kind}", None)
+        if handler is None:
+            raise TraceFormatError(f"unknown event type {kind!r} in rank {self.rank}'s spool")
+        handler(ev)
+
+    def _ev_rank_start(self, ev: dict[str, Any]) -> None:
+        if self.attrs["rank_start"] is None:
+            self.attrs["rank_start"] = ev
+        self.attrs["attempts"] += 1
+        if self.attrs["attempts"] > 1:
+            # A restarted rank (torchelastic) starts a new attempt: blob ids restart too.
+            self.blob_payload = {}
+
+    def _ev_pg(self, ev: dict[str, Any]) -> None:
+        self.attrs["process_groups"].append({k: v for k, v in ev.items() if k != "type"})
+
+    def _ev_coll(self, ev: dict[str, Any]) -> None:
+        c = self.cols["collectives"]
+        tstart = len(self.cols["tensors"]["coll"])
+        row = len(c["seq"])
+        for t in ev["tensors"]:
+            cols = self._tensor_cols(t)
+            cols["coll"] = row
+            cols["role"] = ROLE_CODES[t[0]]
+            for k, v in cols.items():
+                self.cols["tensors"][k].append(v)
+        root = ev.get("root")
+        values = {
+            "seq": ev["seq"],
+            "step": ev["step"],
+            "micro": ev["micro"],
+            "op": self.names["op"].code(ev["op"]),
+            "pg": ev["pg"],
+            "reduce_op": self.names["reduce_op"].code(ev["reduce_op"]),
+            "root": -1 if root is None else int(root),
+            "t_ns": ev["t_ns"],
+            "dur_ns": ev["dur_ns"],
+            "tensor_start": tstart,
+            "tensor_count": len(ev["tensors"]),
+        }
+        for k, v in values.items():
+            c[k].append(v)
+        self.report.collectives += 1
+
+    def _ev_batch(self, ev: dict[str, Any]) -> None:
+        b = self.cols["batches"]
+        row = len(b["step"])
+        tstart = len(self.cols["batch_tensors"]["batch"])
+        for t in ev["tensors"]:
+            cols = self._tensor_cols(t)
+            cols["batch"] = row
+            for k, v in cols.items():
+                self.cols["batch_tensors"][k].append(v)
+        key = json.dumps(ev["structure"], sort_keys=True)
+        sid = self._structures.get(key)
+        if sid is None:
+            sid = self._structures[key] = len(self.attrs["structures"])
+            self.attrs["structures"].append(ev["structure"])
+        values = {
+            "step": ev["step"],
+            "micro": ev["micro"],
+            "index": ev["index"],
+            "loader": ev["loader"],
+            "structure": sid,
+            "tensor_start": tstart,
+            "tensor_count": len(ev["tensors"]),
+        }
+        for k, v in values.items():
+            b[k].append(v)
+        self.report.batches += 1
+
+    def _ev_step(self, ev: dict[str, Any]) -> None:
+        s = self.cols["steps"]
+        p = self.cols["step_params"]
+        pstart = len(p["fp"])
+        for fp, nf, algo in ev["params"]:
+            p["fp"].append(int(fp))
+            p["nonfinite"].append(bool(nf))
+            p["algo"].append(self.names["algo"].code(algo))
+        lstart = len(self.cols["losses"]["value"])
+        losses = [float(x) for x in ev["loss"]]
+        self.cols["losses"]["value"].extend(losses)
+        nonfinite = any(nf for _, nf, _ in ev["params"]) or any(not np.isfinite(x) for x in losses)
+        values = {
+            "step": ev["step"],
+            "micro_steps": ev["micro_steps"],
+            "colls": ev["colls"],
+            "t_ns": ev["t_ns"],
+            "param_start": pstart,
+            "param_count": len(ev["params"]),
+            "loss_start": lstart,
+            "loss_count": len(losses),
+            "nonfinite": nonfinite,
+        }
+        for k, v in values.items():
+            s[k].append(v)
+        self.report.steps += 1
+
+    def _ev_rng(self, ev: dict[str, Any]) -> None:
+        st = ev["states"]
+        r = self.cols["rng"]
+        r["step"].append(ev["step"])
+        r["payload"].append(self._payload(int(st["blob"])))
+        for k in ("python", "torch", "numpy"):
+            r[k].append(int(st[k]) if k in st else -1)
+
+    def _ev_snapshot(self, ev: dict[str, Any]) -> None:
+        self.attrs["snapshots"].append(
+            {
+                "step": ev["step"],
+                "payload": self._payload(int(ev["blob"])),
+                "nbytes": ev["nbytes"],
+                "params": ev["params"],
+            }
+        )
+
+    def _ev_modules(self, ev: dict[str, Any]) -> None:
+        self.attrs["modules"] = ev["modules"]
+
+    def _ev_agent_error(self, ev: dict[str, Any]) -> None:
+        self.attrs["agent_errors"].append({k: v for k, v in ev.items() if k != "type"})
+
+    def _ev_drop(self, ev: dict[str, Any]) -> None:
+        self.attrs["drops"].append({k: v for k, v in ev.items() if k != "type"})
+
+    def _ev_end(self, ev: dict[str, Any]) -> None:
+        self.attrs["end"] = {k: v for k, v in ev.items() if k != "type"}
+        self.report.clean_end = True
+
+    # -- output -------------------------------------------------------------------------------
+    def write(self) -> None:
+        group = self.root.create_group(schema.RANK_GROUP_FMT.format(rank=self.rank), overwrite=True)
+        for table, columns in TABLES.items():
+            tg = group.create_group(table)
+            for col, dtype in columns.items():
+                values = np.asarray(self.cols[table][col], dtype=dtype)
+                arr = tg.create_array(
+                    col,
+                    shape=values.shape,
+                    dtype=dtype,
+                    chunks=(min(COLUMN_CHUNK, max(len(values), 1)),),
+                    compressors=column_codecs(),
+                    fill_value=0,
+                )
+                if len(values):
+                    arr[:] = values
+        attrs = dict(self.attrs)
+        attrs.update({f"{k}_names": v.names for k, v in self.names.items()})
+        attrs["damage"] = self.report.damage
+        attrs["payload_missing"] = self.report.payload_missing
+        attrs["rank"] = self.rank
+        group.attrs.update(_jsonable(attrs))
+
+
+_ITEMSIZE = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "complex32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+}
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise TraceFormatError(f"unknown tensor dtype {dtype!r}") from None
+
+
+def _exists(group: zarr.Group, path: str) -> bool:
+    try:
+        group[path]
+    except KeyError:
+        return False
+    return True
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, allow_nan=True, default=str))
+
+
+def collect(
+    spool_root: str | os.PathLike[str],
+    trace_url: str | os.PathLike[str],
+    *,
+    run: dict[str, Any] | None = None,
+    strict: bool = False,
+    ranks: Iterable[int] | None = None,
+) -> CollectReport:
+    """Convert every rank folder under ``spool_root`` into the trace at ``trace_url``.
+
+    Re-running is safe: each rank group is rewritten whole, blobs already present are reused.
+    With ``strict``, the first damaged record raises TraceFormatError naming the file.
+    """
+    t0 = time.monotonic()
+    folders = spool.spool_ranks(spool_root)
+    if ranks is not None:
+        wanted = set(ranks)
+        folders = {r: f for r, f in folders.items() if r in wanted}
+    if not folders:
+        raise TraceFormatError("no rank spools found (nothing was recorded?)", path=str(spool_root))
+    root = open_root(trace_url, mode="a")
+    report = CollectReport(trace=os.fspath(trace_url))
+    world_sizes = set()
+    for rank, folder in folders.items():
+        rr = RankReport(rank=rank)
+        builder = _RankBuilder(root, rank, rr)
+        seg_report = spool.SegmentReport()
+        for rec in spool.read_rank(folder, seg_report, strict=strict):
+            if rec.kind == schema.KIND_BLOB:
+                builder.blob(int(rec.obj["blob"]), rec.raw)
+            else:
+                builder.event(rec.obj)
+        rr.records = seg_report.records
+        rr.damage = [str(d) for d in seg_report.damage]
+        builder.write()
+        start = builder.attrs["rank_start"]
+        if start is not None:
+            world_sizes.add(int(start["world_size"]))
+        report.ranks.append(rr)
+    old = root.attrs.get(schema.ROOT_ATTR)
+    meta: dict[str, Any] = dict(old) if isinstance(old, dict) else {}
+    present = sorted(set(meta.get("ranks", [])) | {r.rank for r in report.ranks})
+    meta.update(
+        {
+            "format_version": schema.FORMAT_VERSION,
+            "kind": "trace",
+            "ranks": present,
+            "world_size": max(world_sizes) if world_sizes else meta.get("world_size"),
+        }
+    )
+    if run is not None:
+        meta["run"] = _jsonable(run)
+    root.attrs[schema.ROOT_ATTR] = meta
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def default_trace(out: str | os.PathLike[str]) -> Path:
+    return Path(out) / schema.TRACE_DIR

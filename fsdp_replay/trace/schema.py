@@ -1,0 +1,181 @@
+"""The one versioned trace schema every component imports.
+
+Two on-disk forms share it:
+
+- the **spool**: what the in-process agent appends while training runs (``spool.py``), one
+  folder per rank of checksummed records holding JSON events and raw blobs;
+- the **trace**: the Zarr v3 store the collector builds from spools (``collect.py``), one group
+  per rank, one 1-D array per field, and content-addressed blobs shared by all ranks.
+
+``docs/trace-format.md`` specifies both; ``tests/test_schema.py`` pins the key sets below so
+that a change here is a deliberate format change.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+# Bumped on any change a reader of the previous version would misread.
+FORMAT_VERSION: Final = 1
+# Readers accept these; anything else raises TraceVersionError.
+READABLE_VERSIONS: Final = frozenset({1})
+
+# ---------------------------------------------------------------------------------------------
+# Paths (relative to the output folder of `fsdp-replay record --out DIR`).
+SPOOL_DIR: Final = "spool"
+TRACE_DIR: Final = "trace.zarr"
+RANK_SPOOL_FMT: Final = "rank-{rank:05d}"
+SEGMENT_FMT: Final = "seg-{index:06d}.fsrs"
+SEGMENT_RE: Final = re.compile(r"^seg-(\d{6})\.fsrs$")
+RANK_SPOOL_RE: Final = re.compile(r"^rank-(\d{5})$")
+RANK_GROUP_FMT: Final = "rank_{rank:05d}"
+RANK_GROUP_RE: Final = re.compile(r"^rank_(\d{5})$")
+BLOBS_GROUP: Final = "blobs"
+ROOT_ATTR: Final = "fsdp_replay"
+
+# ---------------------------------------------------------------------------------------------
+# Spool records. A segment starts with SEGMENT_MAGIC + a JSON header line; then records, each
+# a fixed header (RECORD_HEADER) followed by `length` body bytes whose CRC-32 is `crc`.
+SEGMENT_MAGIC: Final = b"FSRSPOOL"
+RECORD_MAGIC: Final = 0xF5D4
+# magic u16, kind u8, flags u8, length u32, crc32 u32, json_length u32 (little endian)
+RECORD_HEADER: Final = "<HBBIII"
+RECORD_HEADER_SIZE: Final = 16
+KIND_EVENT: Final = 1  # body: JSON event
+KIND_BLOB: Final = 2  # body: JSON {"blob": id, "nbytes": n} then n raw bytes
+RECORD_KINDS: Final = frozenset({KIND_EVENT, KIND_BLOB})
+# Segments roll over past this size so a damaged file costs at most one segment.
+SEGMENT_MAX_BYTES: Final = 64 << 20
+
+# ---------------------------------------------------------------------------------------------
+# Events (the "type" field of a KIND_EVENT record) and the keys each one carries.
+EV_RANK_START: Final = "rank_start"
+EV_PROCESS_GROUP: Final = "pg"
+EV_COLLECTIVE: Final = "coll"
+EV_BATCH: Final = "batch"
+EV_STEP: Final = "step"
+EV_RNG: Final = "rng"
+EV_SNAPSHOT: Final = "snapshot"
+EV_MODULES: Final = "modules"
+EV_AGENT_ERROR: Final = "agent_error"
+EV_DROP: Final = "drop"
+EV_END: Final = "end"
+
+EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
+    EV_RANK_START: frozenset(
+        {
+            "type",
+            "format_version",
+            "rank",
+            "world_size",
+            "local_rank",
+            "pid",
+            "host",
+            "argv",
+            "orig_argv",
+            "executable",
+            "cwd",
+            "env",
+            "versions",
+            "threads",
+            "determinism",
+            "script",
+            "policy",
+            "start_ns",
+            "fingerprint_algos",
+        }
+    ),
+    EV_PROCESS_GROUP: frozenset({"type", "pg", "name", "ranks", "backend", "size", "group_rank"}),
+    EV_COLLECTIVE: frozenset(
+        {"type", "seq", "step", "micro", "op", "pg", "reduce_op", "root", "t_ns", "dur_ns", "tensors"}
+    ),
+    EV_BATCH: frozenset({"type", "step", "micro", "index", "loader", "structure", "tensors"}),
+    EV_STEP: frozenset({"type", "step", "micro_steps", "colls", "params", "loss", "t_ns"}),
+    EV_RNG: frozenset({"type", "step", "states"}),
+    EV_SNAPSHOT: frozenset({"type", "step", "blob", "nbytes", "params"}),
+    EV_MODULES: frozenset({"type", "modules"}),
+    EV_AGENT_ERROR: frozenset({"type", "where", "message", "traceback"}),
+    EV_DROP: frozenset({"type", "what", "count", "nbytes", "reason"}),
+    EV_END: frozenset({"type", "reason", "steps", "colls", "t_ns", "counters"}),
+}
+# Keys an event may carry beyond EVENT_KEYS; readers tolerate only these extras.
+OPTIONAL_EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
+    EV_COLLECTIVE: frozenset({"extra", "async"}),
+    EV_END: frozenset({"inflight"}),
+}
+
+# A tensor as recorded in coll/batch/step events: a JSON list with these fields, in order.
+# role: "i" (input, before the op) / "o" (output, after) / "" (batches, params).
+TENSOR_FIELDS: Final = ("role", "dtype", "shape", "fp", "algo", "nonfinite", "blob", "device")
+NO_BLOB: Final = -1
+
+# Fingerprint algorithms (see docs/trace-format.md#fingerprints); `algo` is one of these names.
+FP_ZLIB64: Final = "zlib64"  # CPU: crc32(bytes) << 32 | (sum of little-endian int64 words) mod 2**32
+FP_LIN64: Final = "lin64"  # CUDA: position-weighted sums of int32 words, mixed to 64 bits
+FINGERPRINT_ALGOS: Final = (FP_ZLIB64, FP_LIN64)
+
+# Collective ops as the c10d dispatcher names them (torch 2.4 .. 2.13). The trace stores the
+# name table per rank (attrs "op_names") so newer ops need no schema change.
+C10D_OPS: Final = (
+    "allgather_",
+    "_allgather_base_",
+    "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_",
+    "reduce_scatter_",
+    "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_",
+    "allreduce_",
+    "allreduce_coalesced_",
+    "broadcast_",
+    "reduce_",
+    "alltoall_",
+    "alltoall_base_",
+    "gather_",
+    "scatter_",
+    "send",
+    "recv_",
+    "recv_any_source_",
+    "barrier",
+)
+
+# Environment variables recorded verbatim (after redaction) when set. Exact names, then prefixes.
+ENV_ALLOW: Final = frozenset(
+    {
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "PYTHONHASHSEED",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_LAUNCH_BLOCKING",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "TORCH_DISTRIBUTED_DEBUG",
+        "OPENBLAS_CORETYPE",
+        "OPENBLAS_NUM_THREADS",
+        "PYTHONPATH",
+        "TORCHELASTIC_RUN_ID",
+    }
+)
+ENV_ALLOW_PREFIXES: Final = ("NCCL_", "TORCH_", "CUDNN_", "FSDP_REPLAY_", "GLOO_", "CUBLAS")
+# Names (env keys, argv flags) whose values are secrets: matched case-insensitively as words.
+SECRET_NAME_RE: Final = re.compile(
+    r"(token|secret|passw(or)?d|passphrase|api[_-]?key|access[_-]?key|private[_-]?key|credential|"
+    r"auth|session[_-]?key|signature|cookie)",
+    re.IGNORECASE,
+)
+# Values that look like secrets on their own, wherever they appear (argv, env of allowed names).
+SECRET_VALUE_RE: Final = re.compile(
+    r"(AKIA[0-9A-Z]{16}|ASIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{20,}|hf_[A-Za-z0-9]{20,}|"
+    r"xox[abpr]-[A-Za-z0-9-]{10,}|sk-[A-Za-z0-9_-]{20,}|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\."
+    r"[A-Za-z0-9_-]{5,}|://[^/\s:@]+:[^/\s@]+@)"
+)
+REDACTED: Final = "<redacted>"

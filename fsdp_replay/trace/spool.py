@@ -1,0 +1,281 @@
+"""The per-rank spool: an append-only, checksummed record log (stdlib only).
+
+The agent writes it from a background thread inside the training process, so it does no
+compression and imports nothing but the standard library. The collector reads it back.
+
+Layout of a rank folder ``spool/rank-00003/``: segments ``seg-000000.fsrs``, ``seg-000001.fsrs``...
+A segment is ``SEGMENT_MAGIC``, a little-endian u32 length and a JSON header, then records::
+
+    u16 magic | u8 kind | u8 flags | u32 length | u32 crc32(body) | u32 json_length | body
+
+where ``body`` is ``json_length`` bytes of UTF-8 JSON followed by ``length - json_length`` raw
+bytes (blob records only). A process killed mid-write leaves at most one truncated record at the
+tail of its last segment; readers report it and keep everything before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdp_replay.errors import TraceFormatError, TraceVersionError
+from fsdp_replay.trace import schema
+
+_HEADER = struct.Struct(schema.RECORD_HEADER)
+_U32 = struct.Struct("<I")
+assert _HEADER.size == schema.RECORD_HEADER_SIZE
+
+
+def rank_dir(spool_root: str | os.PathLike[str], rank: int) -> Path:
+    return Path(spool_root) / schema.RANK_SPOOL_FMT.format(rank=rank)
+
+
+def encode_record(kind: int, obj: Any, raw: bytes | memoryview | None = None) -> list[bytes | memoryview]:
+    """The pieces of one record, ready for ``os.writev`` (the raw part is not copied).
+
+    ``obj`` is JSON-encoded here unless it is already ``bytes`` of JSON.
+    """
+    js = obj if isinstance(obj, bytes) else json.dumps(obj, separators=(",", ":")).encode()
+    crc = zlib.crc32(js)
+    rawlen = 0
+    if raw is not None:
+        crc = zlib.crc32(raw, crc)
+        rawlen = memoryview(raw).nbytes
+    header = _HEADER.pack(schema.RECORD_MAGIC, kind, 0, len(js) + rawlen, crc, len(js))
+    return [header, js] if raw is None else [header, js, raw]
+
+
+class SpoolWriter:
+    """Appends records to one rank's spool folder; one writer per rank, never shared.
+
+    Each record is written with one ``writev`` at the current end of the segment. If a write
+    fails (a full disk), the segment is cut back to the last whole record and the error is
+    re-raised, so a failed write never leaves a half record in the middle of the log.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], rank: int, *, max_segment_bytes: int | None = None):
+        self.folder = Path(folder)
+        self.rank = rank
+        self.max_segment_bytes = max_segment_bytes or schema.SEGMENT_MAX_BYTES
+        self.folder.mkdir(parents=True, exist_ok=True)
+        existing = sorted(
+            int(m.group(1)) for p in self.folder.iterdir() if (m := schema.SEGMENT_RE.match(p.name))
+        )
+        # A restarted process (or a second agent in one rank folder) never appends to old files.
+        self._index = (existing[-1] + 1) if existing else 0
+        self._fd = -1
+        self._offset = 0
+        self.bytes_written = 0
+        self.records_written = 0
+        self._open_segment()
+
+    @property
+    def segment_path(self) -> Path:
+        return self.folder / schema.SEGMENT_FMT.format(index=self._index)
+
+    def _open_segment(self) -> None:
+        header = json.dumps(
+            {
+                "format_version": schema.FORMAT_VERSION,
+                "rank": self.rank,
+                "segment": self._index,
+                "created_ns": time.time_ns(),
+            }
+        ).encode()
+        fd = os.open(self.segment_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        data = schema.SEGMENT_MAGIC + _U32.pack(len(header)) + header
+        try:
+            os.write(fd, data)
+        except OSError:
+            os.close(fd)
+            os.unlink(self.segment_path)
+            raise
+        self._fd = fd
+        self._offset = len(data)
+
+    def append(self, kind: int, obj: Any, raw: bytes | memoryview | None = None) -> int:
+        """Append one record; returns its size. Raises OSError (and leaves no partial record)."""
+        pieces = encode_record(kind, obj, raw)
+        size = sum(memoryview(p).nbytes for p in pieces)
+        if self._offset > 0 and self._offset + size > self.max_segment_bytes and self.records_written:
+            self.roll()
+        start = self._offset
+        try:
+            written = os.writev(self._fd, pieces)
+            while written < size:  # short writes happen on some filesystems; finish the record
+                rest = b"".join(bytes(p) for p in pieces)[written:]
+                written += os.write(self._fd, rest)
+        except OSError:
+            try:
+                os.ftruncate(self._fd, start)
+                os.lseek(self._fd, start, os.SEEK_SET)
+            except OSError:
+                pass
+            raise
+        self._offset += size
+        self.bytes_written += size
+        self.records_written += 1
+        return size
+
+    def roll(self) -> None:
+        """Close the current segment and start the next one."""
+        os.close(self._fd)
+        self._index += 1
+        self._open_segment()
+
+    def sync(self) -> None:
+        """fsync the current segment (survives a machine crash, not only a process kill)."""
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    kind: int
+    obj: Any
+    raw: memoryview
+    path: Path
+    offset: int
+
+
+@dataclass(slots=True)
+class Damage:
+    """A part of a spool that could not be read; everything outside it was."""
+
+    path: str
+    offset: int
+    nbytes: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path} at byte {self.offset}: {self.reason} ({self.nbytes} bytes skipped)"
+
+
+@dataclass(slots=True)
+class SegmentReport:
+    records: int = 0
+    damage: list[Damage] = field(default_factory=list)
+
+
+def _segment_body_start(data: memoryview, path: Path) -> tuple[dict[str, Any], int]:
+    magic = schema.SEGMENT_MAGIC
+    if len(data) < len(magic) + 4 or bytes(data[: len(magic)]) != magic:
+        raise TraceFormatError("not an fsdp-replay spool segment (bad magic)", path=str(path), offset=0)
+    (hlen,) = _U32.unpack_from(data, len(magic))
+    start = len(magic) + 4
+    try:
+        header = json.loads(bytes(data[start : start + hlen]))
+    except ValueError as e:
+        raise TraceFormatError(f"unreadable segment header: {e}", path=str(path), offset=start) from None
+    version = header.get("format_version")
+    if version not in schema.READABLE_VERSIONS:
+        raise TraceVersionError(
+            f"spool format version {version!r}; this fsdp-replay reads {sorted(schema.READABLE_VERSIONS)}",
+            path=str(path),
+        )
+    return header, start + hlen
+
+
+def _try_record(data: memoryview, pos: int) -> tuple[int, int, int, int] | str:
+    """Parse the record at pos: (kind, length, json_length, end) or the reason it is bad."""
+    if pos + _HEADER.size > len(data):
+        return "truncated record header"
+    magic, kind, _flags, length, crc, jlen = _HEADER.unpack_from(data, pos)
+    if magic != schema.RECORD_MAGIC or kind not in schema.RECORD_KINDS or jlen > length:
+        return "bad record header"
+    end = pos + _HEADER.size + length
+    if end > len(data):
+        return f"truncated record (needs {length} bytes, {len(data) - pos - _HEADER.size} present)"
+    if zlib.crc32(data[pos + _HEADER.size : end]) != crc:
+        return "checksum mismatch"
+    return kind, length, jlen, end
+
+
+def _resync(data: memoryview, pos: int) -> int:
+    """The next offset after pos where a whole, valid record starts (or len(data))."""
+    needle = struct.pack("<H", schema.RECORD_MAGIC)
+    raw = data.obj if isinstance(data.obj, bytes | bytearray) else bytes(data)
+    p = pos + 1
+    while True:
+        p = raw.find(needle, p)
+        if p < 0:
+            return len(data)
+        if not isinstance(_try_record(data, p), str):
+            return p
+        p += 1
+
+
+def read_segment(
+    path: str | os.PathLike[str], report: SegmentReport | None = None, *, strict: bool = False
+) -> Iterator[Record]:
+    """Yield the records of one segment in order.
+
+    Damage (a truncated tail, a checksum mismatch) is appended to ``report`` and reading resumes at
+    the next valid record, so one bad record loses only itself. With ``strict``, the first damage
+    raises TraceFormatError naming the file and offset instead.
+    """
+    p = Path(path)
+    report = report if report is not None else SegmentReport()
+    try:
+        data = memoryview(p.read_bytes())
+    except FileNotFoundError:
+        raise TraceFormatError("spool segment disappeared while reading", path=str(p)) from None
+    _, pos = _segment_body_start(data, p)
+    while pos < len(data):
+        parsed = _try_record(data, pos)
+        if isinstance(parsed, str):
+            nxt = _resync(data, pos)
+            dmg = Damage(str(p), pos, nxt - pos, parsed)
+            if strict:
+                raise TraceFormatError(f"{parsed} ({nxt - pos} bytes unreadable)", path=str(p), offset=pos)
+            report.damage.append(dmg)
+            pos = nxt
+            continue
+        kind, _length, jlen, end = parsed
+        body = pos + _HEADER.size
+        try:
+            obj = json.loads(bytes(data[body : body + jlen]))
+        except ValueError as e:  # checksum passed, so this is a writer bug, not disk damage
+            raise TraceFormatError(f"record body is not JSON: {e}", path=str(p), offset=pos) from None
+        report.records += 1
+        yield Record(kind, obj, data[body + jlen : end], p, pos)
+        pos = end
+
+
+def segments(folder: str | os.PathLike[str]) -> list[Path]:
+    """The segment files of one rank folder, in write order."""
+    f = Path(folder)
+    if not f.is_dir():
+        raise TraceFormatError("spool rank folder not found", path=str(f))
+    found = [(int(m.group(1)), p) for p in f.iterdir() if (m := schema.SEGMENT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def spool_ranks(spool_root: str | os.PathLike[str]) -> dict[int, Path]:
+    """rank -> folder for every rank folder under a spool root."""
+    root = Path(spool_root)
+    out: dict[int, Path] = {}
+    if root.is_dir():
+        for p in root.iterdir():
+            if (m := schema.RANK_SPOOL_RE.match(p.name)) and p.is_dir():
+                out[int(m.group(1))] = p
+    return dict(sorted(out.items()))
+
+
+def read_rank(
+    folder: str | os.PathLike[str], report: SegmentReport | None = None, *, strict: bool = False
+) -> Iterator[Record]:
+    """Yield every record of one rank, segment after segment."""
+    for seg in segments(folder):
+        yield from read_segment(seg, report, strict=strict)

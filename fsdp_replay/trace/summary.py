@@ -1,0 +1,107 @@
+"""What ``fsdp-replay inspect`` shows: a JSON-able summary of a trace."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from fsdp_replay.trace.reader import RankTrace, Trace
+
+
+def _ranges(steps: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2,5,7-8'."""
+    if not steps:
+        return "none"
+    out: list[str] = []
+    start = prev = steps[0]
+    for s in [*steps[1:], None]:
+        if s is not None and s == prev + 1:
+            prev = s
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if s is not None:
+            start = prev = s
+    return ",".join(out)
+
+
+def rank_summary(r: RankTrace) -> dict[str, Any]:
+    c, t, s = r.collectives, r.tensors, r.steps
+    ops = r.names("op")
+    n = len(c)
+    by_op: Counter[tuple[str, int]] = Counter()
+    bytes_by_op: Counter[str] = Counter()
+    if n:
+        op_codes, pgs = c["op"], c["pg"]
+        for code, pg in zip(op_codes.tolist(), pgs.tolist(), strict=True):
+            by_op[(ops[code], pg)] += 1
+        role, coll, nbytes = t["role"], t["coll"], t["nbytes"]
+        out_mask = role == 1
+        for code in np.unique(op_codes).tolist():
+            mask = out_mask & (op_codes[coll] == code)
+            bytes_by_op[ops[code]] = int(nbytes[mask].sum())
+    outs = t["role"] == 1 if n else np.zeros(0, dtype=bool)
+    with_payload = outs & (t["payload"] >= 0) if n else outs
+    payload_steps = sorted(set(c["step"][t["coll"][with_payload]].tolist())) if n else []
+    losses = r.table("losses")["value"]
+    end = r.attrs.get("end")
+    meta = r.meta
+    return {
+        "rank": r.rank,
+        "steps": len(s),
+        "micro_steps": int(s["micro_steps"].sum()) if len(s) else 0,
+        "collectives": n,
+        "by_op": [{"op": op, "pg": pg, "count": k} for (op, pg), k in sorted(by_op.items())],
+        "output_bytes_by_op": dict(bytes_by_op),
+        "process_groups": r.attrs.get("process_groups", []),
+        "payload_coverage": {
+            "outputs": int(outs.sum()),
+            "with_payload": int(with_payload.sum()),
+            "steps": _ranges(payload_steps),
+        },
+        "payload_bytes": int(r.payloads["nbytes"].sum()) if len(r.payloads) else 0,
+        "batches": len(r.batches),
+        "snapshots": [sn["step"] for sn in r.attrs.get("snapshots", [])],
+        "nonfinite_steps": s["step"][s["nonfinite"]].tolist() if len(s) else [],
+        "first_loss": float(losses[0]) if len(losses) else None,
+        "last_loss": float(losses[-1]) if len(losses) else None,
+        "end": end,
+        "complete": end is not None,
+        "agent_errors": r.attrs.get("agent_errors", []),
+        "damage": r.attrs.get("damage", []),
+        "payload_missing": r.attrs.get("payload_missing", 0),
+        "attempts": r.attrs.get("attempts", 0),
+        "environment": {
+            "argv": meta.get("argv"),
+            "cwd": meta.get("cwd"),
+            "versions": meta.get("versions"),
+            "threads": meta.get("threads"),
+            "determinism": meta.get("determinism"),
+            "script": meta.get("script"),
+            "policy": meta.get("policy"),
+            "env": meta.get("env"),
+        },
+    }
+
+
+def summarize(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any]:
+    present = trace.ranks
+    chosen = present if ranks is None else [r for r in ranks if r in present]
+    per_rank = [rank_summary(trace.rank(r)) for r in chosen]
+    ws = trace.world_size
+    missing = sorted(set(range(ws)) - set(present)) if ws else []
+    totals: Counter[str] = Counter()
+    for rs in per_rank:
+        for row in rs["by_op"]:
+            totals[row["op"]] += row["count"]
+    return {
+        "trace": trace.url,
+        "format_version": trace.meta.get("format_version"),
+        "world_size": ws,
+        "ranks": present,
+        "missing_ranks": missing,
+        "run": trace.meta.get("run"),
+        "collectives_by_op": dict(sorted(totals.items())),
+        "per_rank": per_rank,
+    }
