@@ -1,0 +1,38 @@
+# Two commands set everything up (see README): `make demo` and `make test`.
+# Each creates .venv on first use and installs what it needs there.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU wheel of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)" numpy
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+# Record the example FSDP2 job (2 CPU ranks, gloo) into runs/demo and summarize the trace.
+demo: $(STAMP)
+	rm -rf runs/demo
+	$(BIN)/fsdp-replay record --out runs/demo --snapshot-every 5 -- \
+		$(BIN)/torchrun --standalone --nproc_per_node 2 examples/train_fsdp.py --steps 10
+	$(BIN)/fsdp-replay inspect runs/demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check fsdp_replay tests examples bench
+	$(BIN)/ruff format --check fsdp_replay tests examples bench
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_record.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
