@@ -15,7 +15,7 @@ people launch with ``torchrun``:
   gradient clipping, and bf16 autocast on CUDA (float32 on CPU by default).
 
 The cross-entropy loss is computed in the training loop, outside the model.
-Rank 0 prints ``step N loss X lr Y`` once per optimizer step (N counts from 1).
+Rank 0 prints ``step N loss X lr Y`` once per optimizer step (N counts from 0, like the optimizer steps in an fsdp-replay trace).
 A handful of ``--*-at-step`` flags plant faults (NaN, wall-clock noise, a
 skipped collective) for testing tools that observe training runs.
 
@@ -35,7 +35,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,7 +274,7 @@ class MarkovTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return seq[:-1].clone(), seq[1:].clone()
 
 
-def micro_batches(loader: DataLoader[Any], sampler: DistributedSampler[Any]) -> Iterator[Any]:
+def micro_batches(loader: DataLoader[Any], sampler: DistributedSampler[Any]) -> Generator[Any, None, None]:
     epoch = 0
     while True:
         sampler.set_epoch(epoch)
@@ -300,7 +300,9 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device, Any]:
     else:
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=cfg.pg_timeout)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", timeout=timeout, device_id=device if use_cuda else None
+    )
     # Metrics get their own group so logging never interleaves with gradient traffic.
     metrics_group = dist.new_group(timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device, metrics_group
@@ -310,9 +312,10 @@ def wrap_model(model: GPT, cfg: Config, device: torch.device, world: int) -> nn.
     if cfg.ddp:
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.fsdp1:
+        # device_id is explicit because FSDP1 refuses to infer "cpu" on its own.
         return FSDP1(
             model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=device
-        )  # explicit: FSDP1 refuses to guess "cpu"
+        )
     mesh = init_device_mesh(device.type, (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -332,7 +335,9 @@ def local_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def lr_lambda(cfg: Config) -> Any:
+def lr_lambda(cfg: Config) -> Callable[[int], float]:
+    """Linear warmup to the peak, then cosine decay to 10% of it at --steps."""
+
     def f(step: int) -> float:
         if step < cfg.warmup:
             return (step + 1) / cfg.warmup
@@ -386,7 +391,7 @@ def train(cfg: Config) -> None:
 
     model_w.train()
     reported_nonfinite = False
-    for step in range(1, cfg.steps + 1):
+    for step in range(cfg.steps):
         poison = None
         if step == cfg.nan_at_step and rank == cfg.nan_rank:
             poison = first_block.register_forward_hook(lambda _m, _i, out: out * float("nan"))

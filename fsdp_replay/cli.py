@@ -87,6 +87,10 @@ def cmd_record(args: argparse.Namespace) -> int:
         return code if code else EXIT_BAD_INPUT
     report = _collect(out, run)
     _print_collect(report)
+    if not report.damaged and not args.keep_spool:
+        import shutil
+
+        shutil.rmtree(spool_dir)  # the trace now holds every record; a damaged spool is kept
     if code:
         print(
             f"fsdp-replay: the command exited with code {code}; the trace holds everything it wrote "
@@ -192,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-collect",
         action="store_true",
         help="leave the spools; build the trace later with `fsdp-replay collect`",
+    )
+    r.add_argument(
+        "--keep-spool",
+        action="store_true",
+        help="keep the spool folder after building the trace (it is always kept when any record was damaged)",
     )
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- the command to record")
     r.set_defaults(func=cmd_record)

@@ -57,20 +57,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=f"{marker}: {reason}"))
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_REPLAY_")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra)
     return env
 
 
-def run(cmd: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT_S,
-        check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(cmd), env=env or test_env(), capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or REPO)
+def run(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = RUN_TIMEOUT_S,
+    check: bool = True,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        list(cmd), env=env or child_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -81,17 +90,37 @@ def torchrun_cmd(nproc: int, script: Path | str, *args: str) -> list[str]:
 def train(tmp: Path, nproc: int = 2, *args: str, **env: str) -> Path:
     """Run the example unrecorded; returns the folder with params-<rank>.pt."""
     out = tmp / "plain"
-    run(torchrun_cmd(nproc, EXAMPLE, "--save-params", str(out / "params-{rank}.pt"), *args), env=test_env(**env))
+    run(
+        torchrun_cmd(nproc, EXAMPLE, "--save-params", str(out / "params-{rank}.pt"), *args),
+        env=child_env(**env),
+    )
     return out
 
 
-def record(tmp: Path, nproc: int = 2, *args: str, record_args: Sequence[str] = (), name: str = "rec",
-           check: bool = True, **env: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def record(
+    tmp: Path,
+    nproc: int = 2,
+    *args: str,
+    record_args: Sequence[str] = (),
+    name: str = "rec",
+    check: bool = True,
+    **env: str,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """Record the example; returns (run folder, process). Params go to RUN/params-<rank>.pt."""
     out = tmp / name
-    proc = run([*CLI, "record", "--out", str(out), *record_args, "--",
-                *torchrun_cmd(nproc, EXAMPLE, "--save-params", str(out / "params-{rank}.pt"), *args)],
-               env=test_env(**env), check=check)
+    proc = run(
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(out),
+            *record_args,
+            "--",
+            *torchrun_cmd(nproc, EXAMPLE, "--save-params", str(out / "params-{rank}.pt"), *args),
+        ],
+        env=child_env(**env),
+        check=check,
+    )
     return out, proc
 
 

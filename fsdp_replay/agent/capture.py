@@ -112,7 +112,13 @@ def local_modules(roots: Iterable[str]) -> list[tuple[str, str]]:
     out = []
     for name, mod in list(sys.modules.items()):
         f = getattr(mod, "__file__", None)
-        if not f or "site-packages" in f or "dist-packages" in f or name.startswith("fsdp_replay"):
+        if (
+            not isinstance(f, str)
+            or not os.path.isabs(f)
+            or "site-packages" in f
+            or "dist-packages" in f
+            or name.startswith("fsdp_replay")
+        ):
             continue
         f = os.path.abspath(f)
         if f.startswith(roots):

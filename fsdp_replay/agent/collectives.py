@@ -2,8 +2,12 @@
 
 FSDP1, FSDP2, DDP and plain ``torch.distributed`` calls all end in ``torch.ops.c10d.<op>``; the
 Python functions above them change between releases (``all_gather_into_tensor`` is a deprecated
-wrapper in 2.13, FSDP2 calls ``all_gather_single``), the dispatcher ops do not. We register a
-Python kernel for each op under the ``Autograd`` dispatch key: it runs before the backend kernel
+wrapper in 2.13, FSDP2 calls ``all_gather_single``), the dispatcher ops do not. Functional
+collectives (``torch.ops._c10d_functional.*``: DTensor redistribution, ``clip_grad_norm_`` on
+FSDP2 parameters, torch.compile'd code) call the backend without passing through those ops, so
+they are intercepted too, under their own names (``_c10d_functional.all_reduce``...).
+
+We register a Python kernel for each op under the ``Autograd`` dispatch key: it runs before the backend kernel
 (CPU/CUDA), hands the call to a handler, and re-dispatches below autograd to the real kernel, so
 the collective itself is exactly the one the program issued.
 """
@@ -32,6 +36,36 @@ P2P_OPS = _SEND_ONLY | _RECV_ONLY
 _EXTRA_ARGS = ("root_rank", "root_tensor", "dst", "src", "tag", "output_split_sizes", "input_split_sizes")
 
 
+# Functional collectives: the result is the output; its data is valid after wait_tensor.
+FUNCTIONAL_NAMESPACE = "_c10d_functional"
+FUNCTIONAL_OPS = (
+    "all_reduce",
+    "all_reduce_",
+    "all_reduce_coalesced",
+    "all_reduce_coalesced_",
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_out",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_out",
+    "reduce_scatter_tensor_coalesced",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_",
+)
+_FUNCTIONAL_IN_ARGS = frozenset({"input", "inputs"})
+
+
+_COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
+
+
+def _overload(namespace: Any, name: str) -> Any:
+    packet = getattr(namespace, name, None)
+    if packet is None:
+        return None  # not in this torch version
+    return getattr(packet, "default", None)
+
+
 def _flatten(x: Any) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
@@ -50,9 +84,16 @@ class CollectiveCall:
     bound: dict[str, Any]
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
+    functional: bool = False
+    """A functional collective: outputs are the op's result, known after it returns."""
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
+        if self.functional:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            name = self.bound.get("group_name")
+            return name if isinstance(name, dist.ProcessGroup) else _resolve_process_group(str(name))
         pg = self.bound.get("process_group")
         return None if pg is None else dist.ProcessGroup.unbox(pg)
 
@@ -61,7 +102,14 @@ class CollectiveCall:
         op = self.bound.get("reduce_op")
         if op is None:
             return None
+        if isinstance(op, str):
+            return op.upper()
         return dist.ReduceOp.RedOpType(op.op()).name
+
+    def set_outputs(self, result: Any) -> None:
+        """For functional collectives: the outputs are what the op returned."""
+        if self.functional:
+            self.outputs = _flatten(result)
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -76,8 +124,12 @@ class Handler(Protocol):
     def run(self, call: CollectiveCall, real: Callable[[], Any]) -> Any: ...
 
 
-def wait_result(result: Any) -> None:
+def wait_result(result: Any, call: CollectiveCall | None = None) -> None:
     """Wait for the Work an op returned (on CUDA this only orders the current stream)."""
+    if call is not None and call.functional:
+        for t in call.outputs:
+            torch.ops._c10d_functional.wait_tensor(t)
+        return
     work = result[-1] if isinstance(result, tuple) else result
     if isinstance(work, torch.ScriptObject):
         Work.unbox(work).wait()
@@ -97,46 +149,66 @@ class CollectiveInterceptor:
         self.handler = handler
         self.on_error = on_error
         self.ops: list[str] = []
-        self._lib: Any = None
+        self._libs: list[Any] = []
 
-    def install(self, op_names: Sequence[str] = schema.C10D_OPS) -> None:
-        self._lib = torch.library.Library("c10d", "IMPL")
+    def install(
+        self, op_names: Sequence[str] = schema.C10D_OPS, functional_ops: Sequence[str] = FUNCTIONAL_OPS
+    ) -> None:
+        # c10d ops: our kernel under Autograd, the real one reached by re-dispatching below it.
+        lib = torch.library.Library("c10d", "IMPL")
+        self._libs = [lib]
         for name in op_names:
-            packet = getattr(torch.ops.c10d, name, None)
-            if packet is None:
+            overload = _overload(torch.ops.c10d, name)
+            if overload is not None:
+                lib.impl(name, self._kernel(name, overload, False), "Autograd")
+                self.ops.append(name)
+        # Functional ops run below autograd (inside DTensor's dispatch), so they are taken at the
+        # backend keys; their real kernel is the one registered for CompositeExplicitAutograd.
+        lib = torch.library.Library(FUNCTIONAL_NAMESPACE, "IMPL")
+        self._libs.append(lib)
+        for name in functional_ops:
+            overload = _overload(getattr(torch.ops, FUNCTIONAL_NAMESPACE), name)
+            if overload is None or not overload.has_kernel_for_dispatch_key(_COMPOSITE):
                 continue
-            try:
-                overload = packet.default
-            except AttributeError:
-                continue
-            argnames = [a.name for a in overload._schema.arguments]
-            self._lib.impl(name, self._kernel(name, overload, argnames), "Autograd")
-            self.ops.append(name)
+            label = f"{FUNCTIONAL_NAMESPACE}.{name}"
+            kernel = self._kernel(label, overload, True)
+            for key in ("CPU", "CUDA"):
+                lib.impl(name, kernel, key)
+            self.ops.append(label)
 
     def uninstall(self) -> None:
-        if self._lib is not None:
-            self._lib._destroy()
-            self._lib = None
+        for lib in self._libs:
+            lib._destroy()
+        self._libs = []
 
-    def _kernel(self, name: str, overload: Any, argnames: list[str]) -> Callable[..., Any]:
+    def _kernel(self, name: str, overload: Any, functional: bool) -> Callable[..., Any]:
+        argnames = [a.name for a in overload._schema.arguments]
         handler = self.handler
         on_error = self.on_error
         send_only = name in _SEND_ONLY
         recv_only = name in _RECV_ONLY
+        in_args = _FUNCTIONAL_IN_ARGS if functional else _IN_ARGS
+
+        if functional:
+
+            def call_real(*args: Any, **kwargs: Any) -> Any:
+                return overload._op_dk(_COMPOSITE, *args, **kwargs)
+        else:
+            call_real = overload
 
         def real(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
-            return lambda: overload(*args, **kwargs)
+            return lambda: call_real(*args, **kwargs)
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             with torch._C._AutoDispatchBelowAutograd():
                 if not handler.active():
-                    return overload(*args, **kwargs)
+                    return call_real(*args, **kwargs)
                 try:
                     bound = dict(zip(argnames, args, strict=False))
                     bound.update(kwargs)
-                    call = CollectiveCall(name, args, kwargs, bound)
+                    call = CollectiveCall(name, args, kwargs, bound, functional=functional)
                     for key, value in bound.items():
-                        if key in _IN_ARGS:
+                        if key in in_args:
                             call.inputs.extend(_flatten(value))
                         elif key in _OUT_ARGS:
                             call.outputs.extend(_flatten(value))
@@ -148,7 +220,7 @@ class CollectiveInterceptor:
                                 call.outputs.extend(ts)
                 except Exception as e:  # never let our bookkeeping break the program's collective
                     on_error(f"collective {name}", e)
-                    return overload(*args, **kwargs)
+                    return call_real(*args, **kwargs)
                 return handler.run(call, real(args, kwargs))
 
         kernel.__name__ = f"fsdp_replay_{name}"

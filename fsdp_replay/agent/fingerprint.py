@@ -68,7 +68,7 @@ def zlib64_cpu(t: torch.Tensor) -> int:
     b = _as_bytes(t)
     n = b.numel()
     n8 = n // 8 * 8
-    if n8 and b.storage_offset() % 8:
+    if b.storage_offset() % 8:
         b = b.clone()
     total = int(b[:n8].view(torch.int64).sum()) if n8 else 0
     if n8 < n:
@@ -81,7 +81,7 @@ def lin64_sums(t: torch.Tensor) -> torch.Tensor:
     b = _as_bytes(t)
     n = b.numel()
     n4 = n // 4 * 4
-    if n4 and b.storage_offset() % 4:
+    if b.storage_offset() % 4:
         b = b.clone()
     w = b[:n4].view(torch.int32)
     rows = w.numel() // LIN64_ROW

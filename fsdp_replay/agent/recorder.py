@@ -286,11 +286,12 @@ class Recorder:
             self.fail(f"collective {call.op}", e)
             return real()
         result = real()
+        call.set_outputs(result)
         if call.op in P2P_OPS and call.outputs and call.outputs[0].device.type == "cpu":
             # Waiting here could deadlock a program that posts irecv before isend on both sides.
             work_future(result).then(lambda _f: self._complete(call, event))
         else:
-            wait_result(result)  # the program's own error (a timeout, an abort) propagates
+            wait_result(result, call)  # the program's own error (a timeout, an abort) propagates
             self._complete(call, event)
         return result
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -229,11 +230,17 @@ class _RankBuilder:
             "device": self.names["device"].code(device),
         }
 
-    def event(self, ev: dict[str, Any]) -> None:
+    def event(self, ev: dict[str, Any], where: spool.Record) -> None:
         kind = ev.get("type")
         handler: Callable[[dict[str, Any]], None] | None = getattr(self, f"_ev_{kind}", None)
-        if handler is None:
-            raise TraceFormatError(f"unknown event type {kind!r} in rank {self.rank}'s spool")
+        required = schema.EVENT_KEYS.get(str(kind))
+        if handler is None or required is None:
+            raise TraceFormatError(f"unknown event type {kind!r}", path=str(where.path), offset=where.offset)
+        missing = required - ev.keys()
+        if missing:
+            raise TraceFormatError(
+                f"{kind} event lacks {sorted(missing)}", path=str(where.path), offset=where.offset
+            )
         handler(ev)
 
     def _ev_rank_start(self, ev: dict[str, Any]) -> None:
@@ -410,10 +417,14 @@ _ITEMSIZE = {
 
 
 def _itemsize(dtype: str) -> int:
-    try:
-        return _ITEMSIZE[dtype]
-    except KeyError:
-        raise TraceFormatError(f"unknown tensor dtype {dtype!r}") from None
+    """Bytes per element; newer dtypes are sized from the bit count in their name (float8_* -> 1)."""
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        bits = re.search(r"(\d+)", dtype)
+        if bits is None or int(bits.group(1)) % 8:
+            raise TraceFormatError(f"unknown tensor dtype {dtype!r}")
+        size = int(bits.group(1)) // 8
+    return size
 
 
 def _exists(group: zarr.Group, path: str) -> bool:
@@ -459,7 +470,16 @@ def collect(
             if rec.kind == schema.KIND_BLOB:
                 builder.blob(int(rec.obj["blob"]), rec.raw)
             else:
-                builder.event(rec.obj)
+                try:
+                    builder.event(rec.obj, rec)
+                except (KeyError, TypeError, ValueError) as e:
+                    if strict:
+                        raise TraceFormatError(
+                            f"unusable event: {e}", path=str(rec.path), offset=rec.offset
+                        ) from e
+                    seg_report.damage.append(
+                        spool.Damage(str(rec.path), rec.offset, 0, f"unusable event: {e}")
+                    )
         rr.records = seg_report.records
         rr.damage = [str(d) for d in seg_report.damage]
         builder.write()

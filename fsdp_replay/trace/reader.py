@@ -113,8 +113,12 @@ class RankTrace:
     def payloads(self) -> Table:
         return self.table("payloads")
 
+    @cached_property
+    def _dims(self) -> np.ndarray:
+        return self.table("shapes")["dim"]
+
     def shape(self, start: int, ndim: int) -> tuple[int, ...]:
-        return tuple(int(x) for x in self.table("shapes")["dim"][start : start + ndim])
+        return tuple(int(x) for x in self._dims[start : start + ndim])
 
     def payload_digest(self, row: int) -> str:
         p = self.payloads
@@ -162,6 +166,8 @@ class Trace:
         try:
             root = open_root(s, mode="r")
         except FileNotFoundError:
+            if "://" not in s:
+                raise TraceFormatError("not an fsdp-replay trace (no zarr.json here)", path=s) from None
             raise TraceNotFoundError(f"{s}: no such trace") from None
         except Exception as e:
             raise TraceFormatError(f"not a Zarr v3 group: {e}", path=s) from None

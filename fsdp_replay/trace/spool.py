@@ -104,7 +104,10 @@ class SpoolWriter:
         """Append one record; returns its size. Raises OSError (and leaves no partial record)."""
         pieces = encode_record(kind, obj, raw)
         size = sum(memoryview(p).nbytes for p in pieces)
-        if self._offset > 0 and self._offset + size > self.max_segment_bytes and self.records_written:
+        if self._fd < 0:  # a roll-over failed earlier (full disk): try the next segment again
+            self._index += 1
+            self._open_segment()
+        elif self._offset + size > self.max_segment_bytes and self.records_written:
             self.roll()
         start = self._offset
         try:
@@ -126,7 +129,8 @@ class SpoolWriter:
 
     def roll(self) -> None:
         """Close the current segment and start the next one."""
-        os.close(self._fd)
+        fd, self._fd = self._fd, -1  # never keep a closed descriptor another file may reuse
+        os.close(fd)
         self._index += 1
         self._open_segment()
 
@@ -231,7 +235,16 @@ def read_segment(
         data = memoryview(p.read_bytes())
     except FileNotFoundError:
         raise TraceFormatError("spool segment disappeared while reading", path=str(p)) from None
-    _, pos = _segment_body_start(data, p)
+    try:
+        _, pos = _segment_body_start(data, p)
+    except TraceVersionError:
+        raise
+    except TraceFormatError as e:
+        # A process killed between creating a segment and writing its header leaves it short.
+        if strict or len(data) >= len(schema.SEGMENT_MAGIC) + 4:
+            raise
+        report.damage.append(Damage(str(p), 0, len(data), f"truncated segment header ({e})"))
+        return
     while pos < len(data):
         parsed = _try_record(data, pos)
         if isinstance(parsed, str):
@@ -246,8 +259,13 @@ def read_segment(
         body = pos + _HEADER.size
         try:
             obj = json.loads(bytes(data[body : body + jlen]))
-        except ValueError as e:  # checksum passed, so this is a writer bug, not disk damage
-            raise TraceFormatError(f"record body is not JSON: {e}", path=str(p), offset=pos) from None
+        except ValueError as e:  # the header (outside the checksum) was damaged
+            if strict:
+                raise TraceFormatError(f"record body is not JSON: {e}", path=str(p), offset=pos) from None
+            nxt = _resync(data, pos)
+            report.damage.append(Damage(str(p), pos, nxt - pos, f"damaged record header ({e})"))
+            pos = nxt
+            continue
         report.records += 1
         yield Record(kind, obj, data[body + jlen : end], p, pos)
         pos = end

@@ -1,0 +1,785 @@
+"""Recording overhead of ``fsdp-replay record`` on the reference workload, as a ratio to the unrecorded run.
+
+Runs ``examples/train_fsdp.py`` (2 CPU ranks, gloo, ``torchrun --standalone --nproc_per_node 2``)
+in four configurations, interleaved round-robin over several repetitions (the order rotates every
+repetition, so each configuration takes each position equally often and machine noise or drift
+hits all of them alike):
+
+* ``baseline``:  unrecorded;
+* ``meta``:      ``fsdp-replay record --payloads none`` (collective metadata + fingerprints);
+* ``payloads``:  ``--payloads all`` (+ collective outputs and batches of every step);
+* ``snapshots``: ``--payloads all --snapshot-every 10`` (+ a state snapshot every 10 steps).
+
+Step time is measured from inside the training run, without changing the script: rank 0 prints
+one line per optimizer step (``step N loss X lr Y``), flushed (``PYTHONUNBUFFERED=1``); this
+script reads that output as it arrives and takes the wall time between consecutive step lines.
+Process start-up, the first ``--warmup-steps`` steps, the process teardown and the collector
+(spool -> Zarr, after the run) are therefore excluded. Each run's statistic is its median step
+time (robust to one-off stalls); the mean over the same steps is reported too, because the
+periodic costs (a snapshot every 10 steps, the DataLoader re-forking its workers every epoch)
+are in the mean but mostly not in the median.
+
+Every recorded run is checked before it counts: exit code 0, every step line present, and
+``fsdp-replay inspect --json`` must show both ranks complete with all steps, no damage, no agent
+errors, no dropped payloads, and the expected payload coverage and snapshots. The printed losses
+of every run must equal those of the first baseline run (recording must not change results).
+Any failure stops the benchmark with a non-zero exit code and keeps that run's folder.
+
+Results: ``bench/results/record_overhead.{md,json}`` (``--quick``: ``record_overhead.quick.*``,
+so a smoke run never overwrites a real measurement). See ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = REPO / ".venv" / "bin"
+EXAMPLE = REPO / "examples" / "train_fsdp.py"
+RESULTS_DIR = REPO / "bench" / "results"
+
+TARGET_CONFIG = "meta"
+TARGET_RATIO = 1.03
+TARGET_TEXT = "metadata + fingerprints within 3% of the unrecorded step time"
+NOISY_FRACTION = 0.05  # other processes using more than this share of the CPUs make a run noisy
+
+STEP_RE = re.compile(r"^step (\d+) loss (\S+) lr (\S+)$")
+COLLECT_RE = re.compile(r"trace written to (.+) in ([0-9.]+)s")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    record_args: tuple[str, ...] | None  # None: unrecorded
+    description: str
+
+    @property
+    def recorded(self) -> bool:
+        return self.record_args is not None
+
+    @property
+    def payloads(self) -> bool:
+        return self.record_args is not None and "all" in self.record_args
+
+    @property
+    def snapshot_every(self) -> int:
+        args = self.record_args or ()
+        if "--snapshot-every" in args:
+            return int(args[args.index("--snapshot-every") + 1])
+        return 0
+
+
+CONFIGS: tuple[Config, ...] = (
+    Config("baseline", None, "unrecorded"),
+    Config("meta", ("--payloads", "none"), "metadata + fingerprints only"),
+    Config("payloads", ("--payloads", "all"), "+ payloads every step"),
+    Config(
+        "snapshots",
+        ("--payloads", "all", "--snapshot-every", "10"),
+        "+ payloads every step + snapshots every 10 steps",
+    ),
+)
+
+
+@dataclass
+class RunResult:
+    config: str
+    rep: int
+    position: int  # place of this run within its repetition (0 = first)
+    exit_code: int
+    wall_s: float  # the whole command: start-up, training, teardown, collector
+    step_times_s: list[float]  # one per measured step (after the warm-up)
+    step_median_s: float
+    step_mean_s: float
+    losses: list[str]  # as printed by rank 0
+    after_last_step_s: float  # last step line -> command exit (teardown + collector)
+    collector_s: float | None = None  # "trace written to ... in X s"
+    trace_bytes: int | None = None
+    spool_bytes: int | None = None
+    trace_disk_bytes: int | None = None  # allocated blocks (st_blocks * 512)
+    spool_disk_bytes: int | None = None
+    trace_steps: list[int] | None = None  # inspect: per_rank[*].steps
+    cpu_s: float = 0.0  # user + system CPU of all the command's processes (incl. start-up, collector)
+    other_cpu_frac: float = 0.0  # CPU used by everything else on the machine during the run / (wall x CPUs)
+    steal_frac: float = 0.0  # CPU stolen by the hypervisor during the run / (wall x CPUs)
+    problems: list[str] = field(default_factory=list)
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def quantiles(xs: list[float]) -> tuple[float, float, float]:
+    """(q1, median, q3); degenerate inputs give the value itself."""
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def tree_bytes(path: Path) -> tuple[int, int]:
+    """(apparent bytes, allocated bytes) of every file under path."""
+    size = disk = 0
+    if not path.exists():
+        return 0, 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            st = os.lstat(os.path.join(root, f))
+            size += st.st_size
+            disk += st.st_blocks * 512
+    return size, disk
+
+
+def cpu_times() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return 0.0, 0.0
+    v = [int(x) for x in fields] + [0] * 10
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+def example_defaults() -> dict[str, Any]:
+    """The example's Config defaults, read from its source (no torch import)."""
+    try:
+        tree = ast.parse(EXAMPLE.read_text())
+    except (OSError, SyntaxError):
+        return {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "Config":
+            out: dict[str, Any] = {}
+            for stmt in node.body:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value:
+                    with contextlib.suppress(ValueError):
+                        out[stmt.target.id] = ast.literal_eval(stmt.value)
+            return out
+    return {}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def version_of(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def git_commit() -> str | None:
+    try:  # read-only
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "nproc": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": version_of("torch"),
+        "fsdp_replay": version_of("fsdp-replay"),
+        "git_commit": git_commit(),
+        "hostname": platform.node(),
+    }
+
+
+def run_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_REPLAY_")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# -- one run -------------------------------------------------------------------------------------
+def build_command(cfg: Config, run_dir: Path, train_args: list[str]) -> list[str]:
+    train = [
+        str(VENV_BIN / "torchrun"),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(EXAMPLE.relative_to(REPO)),
+        *train_args,
+    ]
+    if cfg.record_args is None:
+        return train
+    return [str(VENV_BIN / "fsdp-replay"), "record", "--out", str(run_dir), *cfg.record_args, "--", *train]
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """End the process this script started (and, through record's forwarding, its command)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session, started by us
+        proc.wait()
+
+
+def execute(
+    cmd: list[str], timeout_s: float, echo: bool
+) -> tuple[int, float, float, float, float, dict[int, int], list[str], int, list[str]]:
+    """Run cmd; return (exit code, wall s, CPU s, other CPU fraction, steal fraction,
+    step -> arrival ns, losses, exit ns, stderr lines)."""
+    arrivals: dict[int, int] = {}
+    losses: list[str] = []
+    err_lines: list[str] = []
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy0, steal0 = cpu_times()
+    t0 = time.perf_counter_ns()
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    stderr = proc.stderr
+
+    def drain() -> None:
+        for raw in iter(stderr.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            err_lines.append(line)
+            if echo:
+                print(f"    ! {line}", flush=True)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    timer = threading.Timer(timeout_s, stop, args=(proc,))
+    timer.start()
+    try:
+        for raw in iter(proc.stdout.readline, b""):
+            now = time.perf_counter_ns()
+            line = raw.decode(errors="replace").rstrip("\n")
+            m = STEP_RE.match(line)
+            if m:
+                n = int(m.group(1))
+                if n in arrivals:
+                    err_lines.append(f"[bench] step {n} printed twice")
+                arrivals.setdefault(n, now)
+                losses.append(m.group(2))
+            if echo:
+                print(f"    | {line}", flush=True)
+        code = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            stop(proc)
+    t_exit = time.perf_counter_ns()
+    reader.join(10)
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy1, steal1 = cpu_times()
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    wall = (t_exit - t0) / 1e9
+    capacity = wall * (os.cpu_count() or 1)
+    other = max(0.0, (busy1 - busy0) - cpu) / capacity
+    steal = (steal1 - steal0) / capacity
+    code = 128 - code if code < 0 else code
+    return code, wall, cpu, other, steal, arrivals, losses, t_exit, err_lines
+
+
+def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[list[int], list[str]]:
+    """Check the run's trace through `fsdp-replay inspect --json`; return (steps per rank, problems)."""
+    problems: list[str] = []
+    out = subprocess.run(
+        [str(VENV_BIN / "fsdp-replay"), "inspect", str(run_dir), "--json"],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if out.returncode != 0:
+        return [], [f"inspect exited with {out.returncode}: {out.stderr.strip()[-2000:]}"]
+    try:
+        summary = json.loads(out.stdout)
+    except json.JSONDecodeError as e:
+        return [], [f"inspect printed no JSON: {e}"]
+    per_rank = summary.get("per_rank", [])
+    rank_steps = [int(r.get("steps", -1)) for r in per_rank]
+    if summary.get("world_size") != 2 or sorted(summary.get("ranks", [])) != [0, 1]:
+        problems.append(
+            f"world_size {summary.get('world_size')}, ranks {summary.get('ranks')} (expected 2: [0, 1])"
+        )
+    if summary.get("missing_ranks"):
+        problems.append(f"missing ranks {summary['missing_ranks']}")
+    want_snaps = (
+        sorted({0, *range(cfg.snapshot_every, steps + 1, cfg.snapshot_every)}) if cfg.snapshot_every else []
+    )
+    for r in per_rank:
+        rk = r.get("rank")
+        if r.get("steps") != steps:
+            problems.append(f"rank {rk}: {r.get('steps')} steps in the trace, expected {steps}")
+        if not r.get("complete"):
+            problems.append(f"rank {rk}: incomplete (no clean end record)")
+        for key in ("damage", "agent_errors"):
+            if r.get(key):
+                problems.append(f"rank {rk}: {key} {r[key]}")
+        if r.get("payload_missing"):
+            problems.append(f"rank {rk}: {r['payload_missing']} payloads missing")
+        counters = (r.get("end") or {}).get("counters") or {}
+        for key in ("events_dropped", "blobs_dropped", "write_errors", "agent_errors"):
+            if counters.get(key):
+                problems.append(f"rank {rk}: counter {key} = {counters[key]}")
+        cov = r.get("payload_coverage") or {}
+        if cfg.payloads and cov.get("with_payload") != cov.get("outputs"):
+            problems.append(
+                f"rank {rk}: payloads for {cov.get('with_payload')} of {cov.get('outputs')} outputs"
+            )
+        if not cfg.payloads and cov.get("with_payload"):
+            problems.append(f"rank {rk}: {cov.get('with_payload')} payloads stored with --payloads none")
+        snaps = sorted(r.get("snapshots") or [])
+        if cfg.snapshot_every and snaps != want_snaps:
+            problems.append(f"rank {rk}: snapshots at steps {snaps}, expected {want_snaps}")
+    return rank_steps, problems
+
+
+def run_one(
+    cfg: Config,
+    rep: int,
+    position: int,
+    work: Path,
+    steps: int,
+    warmup: int,
+    train_args: list[str],
+    timeout_s: float,
+    echo: bool,
+) -> tuple[RunResult, Path]:
+    run_dir = work / f"{cfg.name}-rep{rep}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    cmd = build_command(cfg, run_dir, train_args)
+    code, wall, cpu, other, steal, arrivals, losses, t_exit, err = execute(cmd, timeout_s, echo)
+    problems: list[str] = []
+    if code != 0:
+        problems.append(f"exit code {code}")
+    missing = [n for n in range(1, steps + 1) if n not in arrivals]
+    if missing:
+        problems.append(
+            f"rank 0 printed no line for steps {missing[:10]}{' ...' if len(missing) > 10 else ''}"
+        )
+    times = [
+        (arrivals[n] - arrivals[n - 1]) / 1e9
+        for n in range(warmup + 1, steps + 1)
+        if n in arrivals and n - 1 in arrivals
+    ]
+    if not times:
+        problems.append("no step time measured")
+    last = arrivals.get(steps)
+    res = RunResult(
+        config=cfg.name,
+        rep=rep,
+        position=position,
+        exit_code=code,
+        wall_s=wall,
+        step_times_s=times,
+        step_median_s=statistics.median(times) if times else float("nan"),
+        step_mean_s=statistics.fmean(times) if times else float("nan"),
+        losses=losses,
+        after_last_step_s=(t_exit - last) / 1e9 if last else float("nan"),
+        cpu_s=cpu,
+        other_cpu_frac=other,
+        steal_frac=steal,
+    )
+    if cfg.recorded:
+        for line in err:
+            m = COLLECT_RE.search(line)
+            if m:
+                res.collector_s = float(m.group(2))
+        if res.collector_s is None:
+            problems.append("record printed no 'trace written to ... in X s' line")
+        res.trace_bytes, res.trace_disk_bytes = tree_bytes(run_dir / "trace.zarr")
+        res.spool_bytes, res.spool_disk_bytes = tree_bytes(run_dir / "spool")
+        if not problems:
+            res.trace_steps, trace_problems = check_trace(run_dir, cfg, steps)
+            problems += trace_problems
+    if problems:
+        tail = "\n".join(err[-40:])
+        problems.append(f"command: {shlex.join(cmd)}\nstderr tail:\n{tail}")
+    res.problems = problems
+    return res, run_dir
+
+
+# -- summary -------------------------------------------------------------------------------------
+def summarize(results: list[RunResult], names: list[str]) -> dict[str, Any]:
+    by_cfg = {n: [r for r in results if r.config == n] for n in names}
+    base_by_rep = {r.rep: r for r in by_cfg["baseline"]}
+    base_median = statistics.median(r.step_median_s for r in by_cfg["baseline"])
+    base_mean = statistics.median(r.step_mean_s for r in by_cfg["baseline"])
+    out: dict[str, Any] = {}
+    for n, runs in by_cfg.items():
+        medians = [r.step_median_s for r in runs]
+        means = [r.step_mean_s for r in runs]
+        pooled = [t for r in runs for t in r.step_times_s]
+        pq1, pq2, pq3 = quantiles(pooled)
+        mq1, mq2, mq3 = quantiles(medians)
+        paired = [r.step_median_s / base_by_rep[r.rep].step_median_s for r in runs]
+        paired_mean = [r.step_mean_s / base_by_rep[r.rep].step_mean_s for r in runs]
+        rq1, rq2, rq3 = quantiles(paired)
+        s: dict[str, Any] = {
+            "runs": len(runs),
+            "step_median_s": mq2,  # median over runs of each run's median step time
+            "step_median_min_s": min(medians),
+            "step_median_max_s": max(medians),
+            "step_median_iqr_s": [mq1, mq3],
+            "pooled_steps": len(pooled),
+            "pooled_step_quartiles_s": [pq1, pq2, pq3],
+            "step_mean_s": statistics.median(means),  # median over runs of each run's mean step time
+            "ratio": mq2 / base_median,  # ratio of the medians
+            "ratio_paired_median": rq2,  # median over repetitions of (run / baseline of that repetition)
+            "ratio_paired_iqr": [rq1, rq3],
+            "ratio_paired_min": min(paired),
+            "ratio_paired_max": max(paired),
+            "ratio_mean": statistics.median(means) / base_mean,
+            "ratio_mean_paired_median": statistics.median(paired_mean),
+        }
+        if n != "baseline":
+            steps = len(runs[0].losses) or 1
+            s["trace_bytes_per_step"] = statistics.median((r.trace_bytes or 0) / steps for r in runs)
+            s["spool_bytes_per_step"] = statistics.median((r.spool_bytes or 0) / steps for r in runs)
+            s["trace_disk_bytes_per_step"] = statistics.median(
+                (r.trace_disk_bytes or 0) / steps for r in runs
+            )
+            s["spool_disk_bytes_per_step"] = statistics.median(
+                (r.spool_disk_bytes or 0) / steps for r in runs
+            )
+            s["collector_s"] = statistics.median(r.collector_s or 0.0 for r in runs)
+            s["collector_max_s"] = max(r.collector_s or 0.0 for r in runs)
+        s["wall_s"] = statistics.median(r.wall_s for r in runs)
+        s["cpu_s"] = statistics.median(r.cpu_s for r in runs)
+        s["other_cpu_frac_max"] = max(r.other_cpu_frac + r.steal_frac for r in runs)
+        s["after_last_step_s"] = statistics.median(r.after_last_step_s for r in runs)
+        out[n] = s
+    return out
+
+
+def verdict(summary: dict[str, Any], quick: bool) -> dict[str, Any]:
+    s = summary.get(TARGET_CONFIG)
+    if s is None:
+        return {"target": TARGET_TEXT, "result": "NOT MEASURED"}
+    ratio = s["ratio_paired_median"]
+    q1, q3 = s["ratio_paired_iqr"]
+    ok = ratio <= TARGET_RATIO
+    if s["runs"] < 3:
+        confidence = f"not assessable from {s['runs']} repetition(s)"
+    elif q3 <= TARGET_RATIO or q1 > TARGET_RATIO:
+        confidence = "clear: the interquartile range of the paired ratios is on one side of the target"
+    else:
+        confidence = "within noise: the interquartile range of the paired ratios straddles the target"
+    return {
+        "target": TARGET_TEXT,
+        "config": TARGET_CONFIG,
+        "max_ratio": TARGET_RATIO,
+        "measured_ratio": ratio,
+        "statistic": "median over repetitions of (meta run median step / baseline run median step, same repetition)",
+        "result": ("PASS" if ok else "FAIL") + (" (quick smoke run: not a measurement)" if quick else ""),
+        "confidence": confidence,
+    }
+
+
+def fmt_ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def fmt_bytes(x: float | None) -> str:
+    if x is None:
+        return "-"
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= k:
+            return f"{x / k:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    s, v, m, p = doc["summary"], doc["verdict"], doc["machine"], doc["parameters"]
+    lines = [
+        "# Recording overhead: `fsdp-replay record` on `examples/train_fsdp.py`",
+        "",
+        f"- Produced by: `{doc['command_line']}` (in `{doc['cwd']}`)",
+        f"- Date: {doc['date']} (took {doc['elapsed_s'] / 60:.1f} min)",
+        f"- Machine: {m['nproc']} CPUs ({m['cpus_usable']} usable), {m['cpu_model']}; {m['platform']}; "
+        f"Python {m['python']}, torch {m['torch']}, fsdp-replay {m['fsdp_replay']}, commit {m['git_commit']}",
+        f"- Load average before / after: {doc['loadavg_before']} / {doc['loadavg_after']}",
+        f"- Workload: `torchrun --standalone --nproc_per_node 2 examples/train_fsdp.py {' '.join(p['train_args'])}` "
+        f"(2 CPU ranks, gloo, OMP_NUM_THREADS=1); model: the example's defaults "
+        f"({p['workload_model']})",
+        f"- {p['steps']} steps per run, the first {p['warmup_steps']} skipped; {p['reps']} repetitions, "
+        f"configurations interleaved round-robin, order rotated every repetition"
+        + (" (QUICK smoke run: too few steps and repetitions to be trustworthy)" if p["quick"] else ""),
+        "",
+        f"**Target**: {v['target']} -> **{v['result']}** "
+        + (
+            f"(paired ratio {v['measured_ratio']:.3f} vs <= {v['max_ratio']}; {v['confidence']})"
+            if "measured_ratio" in v
+            else ""
+        ),
+        "",
+        "Step time = wall time between consecutive `step N` lines of rank 0, per run the median over "
+        "the measured steps; the table shows the median over runs and its min-max over runs. "
+        "Ratio = that median / baseline's; paired = median over repetitions of (run / baseline "
+        "run of the same repetition), with its interquartile range. Mean-based ratio includes periodic "
+        "costs (snapshots, DataLoader re-forks at epoch boundaries) that the median leaves out.",
+        "",
+        "| config | what | step ms (median) | min-max over runs | ratio | paired ratio [IQR] | ratio of means "
+        "| trace B/step | spool B/step | collector s | CPU s/run |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    descr = {c.name: c.description for c in CONFIGS}
+    for name, x in s.items():
+        q1, q3 = x["ratio_paired_iqr"]
+        collector = f"{x['collector_s']:.1f}" if "collector_s" in x else "-"
+        lines.append(
+            f"| {name} | {descr.get(name, '')} | {fmt_ms(x['step_median_s'])} "
+            f"| {fmt_ms(x['step_median_min_s'])}-{fmt_ms(x['step_median_max_s'])} "
+            f"| {x['ratio']:.3f} | {x['ratio_paired_median']:.3f} [{q1:.3f}, {q3:.3f}] | {x['ratio_mean']:.3f} "
+            f"| {fmt_bytes(x.get('trace_bytes_per_step'))} | {fmt_bytes(x.get('spool_bytes_per_step'))} "
+            f"| {collector} | {x['cpu_s']:.1f} |"
+        )
+    lines += [
+        "",
+        "Bytes per step = size of the run's `trace.zarr` (and of its `spool/`, which `record` keeps) "
+        f"divided by the {p['steps']} steps; it includes the fixed part (step-0 collectives, the step-0 "
+        "snapshot, metadata), so it overstates the marginal cost of short runs. Collector = "
+        "`record`'s own `trace written to ... in X s` (after training; not in the step time).",
+        "",
+        "Checks on every recorded run: exit code 0, all step lines printed, `fsdp-replay inspect --json` "
+        "shows both ranks complete with all steps, no damage/agent errors/drops, expected payload "
+        "coverage and snapshots; printed losses identical to the first baseline run: "
+        f"{'yes' if doc['losses_identical'] else 'NO'}.",
+        "",
+        "CPU s/run = user + system CPU time of all the run's processes (ranks, DataLoader workers, "
+        "torchrun, record and its collector), start-up included: less sensitive to other load than "
+        "wall time, but not a step-time measure.",
+        "",
+    ]
+    worst = max(r["other_cpu_frac"] + r["steal_frac"] for r in doc["runs"])
+    if worst > NOISY_FRACTION:
+        lines += [
+            f"**Warning**: during some runs, other processes (or the hypervisor) used up to {worst:.0%} of "
+            "the machine's CPU: these numbers are noisier than they should be (see the per-run table).",
+            "",
+        ]
+    lines += [
+        "Per run (in the order they ran):",
+        "",
+        "| rep | pos | config | step ms median | step ms mean | wall s | CPU s | other CPU | steal |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["runs"]:
+        lines.append(
+            f"| {r['rep']} | {r['position']} | {r['config']} | {fmt_ms(r['step_median_s'])} "
+            f"| {fmt_ms(r['step_mean_s'])} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['other_cpu_frac']:.1%} "
+            f"| {r['steal_frac']:.1%} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
+# -- main ----------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="smoke run: 12 steps, 1 repetition (~1-2 min; noisy)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 40; --quick 12)")
+    p.add_argument(
+        "--reps", type=int, default=None, help="repetitions of every configuration (default 10; --quick 1)"
+    )
+    p.add_argument("--warmup-steps", type=int, default=3, help="first steps not measured (default 3)")
+    p.add_argument(
+        "--configs",
+        default=",".join(c.name for c in CONFIGS),
+        help="comma-separated subset of: " + ", ".join(c.name for c in CONFIGS) + " (baseline is always run)",
+    )
+    p.add_argument(
+        "--train-args",
+        default="",
+        help="extra flags for examples/train_fsdp.py, written with '=': --train-args='--d-model 256' (default: the example's defaults)",
+    )
+    p.add_argument("--workdir", default=None, help="where runs are recorded (default: a temporary folder)")
+    p.add_argument(
+        "--keep", action="store_true", help="keep every run's folder (default: delete after measuring)"
+    )
+    p.add_argument(
+        "--cooldown", type=float, default=1.0, help="seconds of rest after each run (after a sync)"
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a run is stopped as hung")
+    p.add_argument(
+        "--results", default=None, help="output path stem (default bench/results/record_overhead[.quick])"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="echo the runs' output")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    steps = args.steps or (12 if args.quick else 40)
+    reps = args.reps or (1 if args.quick else 10)
+    warmup = args.warmup_steps
+    if steps < warmup + 2:
+        print(f"bench: --steps must be at least {warmup + 2}", file=sys.stderr)
+        return 2
+    wanted = {x.strip() for x in args.configs.split(",") if x.strip()} | {"baseline"}
+    unknown = wanted - {c.name for c in CONFIGS}
+    if unknown:
+        print(f"bench: unknown configurations {sorted(unknown)}", file=sys.stderr)
+        return 2
+    configs = [c for c in CONFIGS if c.name in wanted]
+    train_args = ["--cpu", "--steps", str(steps), *shlex.split(args.train_args)]
+    stem = (
+        Path(args.results)
+        if args.results
+        else RESULTS_DIR / ("record_overhead.quick" if args.quick else "record_overhead")
+    )
+    for tool in ("torchrun", "fsdp-replay"):
+        if not (VENV_BIN / tool).exists():
+            print(
+                f"bench: {VENV_BIN / tool} not found (run `make test` or create .venv first)", file=sys.stderr
+            )
+            return 2
+
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-record-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    load_before = os.getloadavg()
+    if load_before[0] > 0.5:
+        print(
+            f"bench: WARNING: load average {load_before[0]:.2f} before starting: the machine is not quiet",
+            file=sys.stderr,
+        )
+    print(
+        f"bench: {len(configs)} configurations x {reps} repetitions, {steps} steps each "
+        f"(first {warmup} not measured); runs in {work}",
+        flush=True,
+    )
+    results: list[RunResult] = []
+    baseline_losses: list[str] | None = None
+    losses_identical = True
+    total = len(configs) * reps
+    done = 0
+    for rep in range(reps):
+        k = rep % len(configs)
+        order = configs[k:] + configs[:k]  # rotate: every configuration takes every position
+        for pos, cfg in enumerate(order):
+            res, run_dir = run_one(cfg, rep, pos, work, steps, warmup, train_args, args.timeout, args.verbose)
+            done += 1
+            if cfg.name == "baseline" and baseline_losses is None and not res.problems:
+                baseline_losses = res.losses
+            if baseline_losses is not None and res.losses and res.losses != baseline_losses:
+                losses_identical = False
+                diff = next(
+                    i for i, (a, b) in enumerate(zip(res.losses, baseline_losses, strict=False)) if a != b
+                )
+                res.problems.append(
+                    f"printed losses differ from the baseline's from step {diff + 1}: "
+                    f"{res.losses[diff]} vs {baseline_losses[diff]}"
+                )
+            extra = ""
+            if cfg.recorded:
+                extra = (
+                    f", trace {fmt_bytes(res.trace_bytes)}, spool {fmt_bytes(res.spool_bytes)}, "
+                    f"collector {res.collector_s}s"
+                )
+            eta = (time.time() - started) / done * (total - done)
+            print(
+                f"  [{done}/{total}] rep {rep} {cfg.name:9s}: median step {fmt_ms(res.step_median_s)} ms, "
+                f"mean {fmt_ms(res.step_mean_s)} ms, wall {res.wall_s:.1f}s, CPU {res.cpu_s:.1f}s{extra}; "
+                f"other CPU {res.other_cpu_frac:.0%}; ETA {eta / 60:.1f} min",
+                flush=True,
+            )
+            if res.problems:
+                print(
+                    f"bench: run {cfg.name} rep {rep} is broken; its folder is kept: {run_dir}",
+                    file=sys.stderr,
+                )
+                for prob in res.problems:
+                    print(f"  - {prob}", file=sys.stderr)
+                return 1
+            results.append(res)
+            if not args.keep:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            os.sync()  # the next run must not pay for this run's write-back
+            time.sleep(args.cooldown)
+    if not args.keep and not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+    names = [c.name for c in configs]
+    summary = summarize(results, names)
+    defaults = example_defaults()
+    model_keys = ("d_model", "layers", "heads", "seq_len", "batch_size", "grad_accum", "vocab", "workers")
+    workload_model = ", ".join(f"{k}={defaults[k]}" for k in model_keys if k in defaults)
+    doc: dict[str, Any] = {
+        "benchmark": "record_overhead",
+        "command_line": shlex.join([sys.executable, *sys.argv]),
+        "cwd": os.getcwd(),
+        "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "elapsed_s": time.time() - started,
+        "machine": machine_info(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "parameters": {
+            "quick": args.quick,
+            "steps": steps,
+            "warmup_steps": warmup,
+            "reps": reps,
+            "configs": {c.name: list(c.record_args) if c.record_args is not None else None for c in configs},
+            "train_args": train_args,
+            "workload_model": workload_model + (f"; plus {args.train_args}" if args.train_args else ""),
+            "example_defaults": defaults,
+            "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+            "timing_source": "wall time between consecutive 'step N' lines of rank 0, read as they arrive",
+        },
+        "verdict": verdict(summary, args.quick),
+        "summary": summary,
+        "losses_identical": losses_identical,
+        "runs": [asdict(r) for r in results],
+    }
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    md_path, json_path = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    md = render_markdown(doc)
+    md_path.write_text(md)
+    print()
+    print(md)
+    print(f"bench: wrote {md_path} and {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
