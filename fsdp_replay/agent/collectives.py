@@ -93,7 +93,7 @@ class CollectiveCall:
             from torch.distributed.distributed_c10d import _resolve_process_group
 
             name = self.bound.get("group_name")
-            return name if isinstance(name, dist.ProcessGroup) else _resolve_process_group(str(name))
+            return name if isinstance(name, dist.ProcessGroup) else _resolve_process_group(name)  # type: ignore[arg-type]
         pg = self.bound.get("process_group")
         return None if pg is None else dist.ProcessGroup.unbox(pg)
 
