@@ -51,8 +51,6 @@ def cmd_record(args: argparse.Namespace) -> int:
     from fsdp_replay.trace.redact import redact_argv
 
     command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
     if not command:
         raise ConfigError(
             "nothing to record: give the command after --, e.g. "
@@ -152,6 +150,63 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- replay -----------------------------------------------------------------------------------
+def cmd_replay(args: argparse.Namespace) -> int:
+    from fsdp_replay.agent.config import AgentConfig
+    from fsdp_replay.launch import agent_env, run_command
+    from fsdp_replay.replayer import launch
+    from fsdp_replay.replayer.report import plot, render_text
+
+    trace_url = resolve_trace(args.trace)
+    trace, meta = launch.open_rank(trace_url, args.rank)
+    override = list(args.command)
+    command, cwd = launch.replay_command(meta, override)
+    if not args.force:
+        launch.check_script(meta, command, cwd)
+        launch.check_torch(meta)
+    world = int(meta.get("world_size") or trace.world_size or 1)
+    out = Path(args.report) if args.report else launch.report_dir(trace_url, args.rank, args.from_step)
+    out.mkdir(parents=True, exist_ok=True)
+    config = AgentConfig(
+        mode="replay",
+        trace=str(Path(trace_url).absolute()) if "://" not in trace_url else trace_url,
+        rank=args.rank,
+        from_step=args.from_step,
+        to_step=args.to_step,
+        report=str(out.absolute()),
+    )
+    env = launch.replay_env(meta, args.rank, world, args.device)
+    if args.force:
+        env["FSDP_REPLAY_FORCE"] = "1"
+    env = agent_env(out, config.to_env(), env)
+    print(
+        f"fsdp-replay: replaying rank {args.rank} of {world} from step {args.from_step}: {' '.join(command)}",
+        file=sys.stderr,
+    )
+    code, _info = run_command(command, env, cwd=cwd)
+    report_path = out / "report.json"
+    if not report_path.is_file():
+        print(
+            f"fsdp-replay: the replayed program exited with code {code} before the replay could report "
+            f"(see its output above)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    report = json.loads(report_path.read_text())
+    report["program_exit_code"] = code
+    text = render_text(report)
+    (out / "report.txt").write_text(text)
+    plotted = plot(report, out / "replay.png")
+    print(text, end="")
+    print(f"report: {out}" + (" (report.json, report.txt, replay.png)" if plotted else ""), file=sys.stderr)
+    status = report.get("status")
+    if status == "bit-exact":
+        return EXIT_OK
+    if status == "diverged":
+        return EXIT_DIVERGED
+    return EXIT_BAD_INPUT
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fsdp-replay", description=__doc__.split("\n")[0] if __doc__ else None)
     p.add_argument("--version", action="version", version=f"fsdp-replay {__version__}")
@@ -202,13 +257,48 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the spool folder after building the trace (it is always kept when any record was damaged)",
     )
-    r.add_argument("command", nargs=argparse.REMAINDER, help="-- the command to record")
     r.set_defaults(func=cmd_record)
 
     c = sub.add_parser("collect", help="build (or rebuild) a run's trace from its spools")
     c.add_argument("run", help="the run folder given to record --out")
     c.add_argument("--strict", action="store_true", help="fail at the first damaged record")
     c.set_defaults(func=cmd_collect)
+
+    rp = sub.add_parser(
+        "replay",
+        help="replay one rank alone and verify it bit for bit",
+        description="Run the recorded command as rank R alone: collectives are answered from the "
+        "trace, and every fingerprint is checked. Exit 0 when bit-exact, 1 on divergence, 3 when "
+        "the trace or the program cannot be replayed.",
+    )
+    rp.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
+    rp.add_argument(
+        "--rank", type=int, default=int(_env_default("replay_rank", 0)), help="the rank to replay"
+    )
+    rp.add_argument(
+        "--from-step",
+        type=int,
+        default=int(_env_default("from_step", 0)),
+        help="verify from this step, restoring the latest snapshot at or before it",
+    )
+    rp.add_argument(
+        "--to-step",
+        type=int,
+        default=int(_env_default("to_step", -1)),
+        help="stop after this step (default: run to the program's end)",
+    )
+    rp.add_argument(
+        "--device",
+        default=_env_default("device", None),
+        help="cpu or cuda[:N]: where the replayed rank runs (default: as the program decides)",
+    )
+    rp.add_argument(
+        "--report",
+        default=_env_default("report", None),
+        help="report folder (default: replays/rank-R-... beside the trace)",
+    )
+    rp.add_argument("--force", action="store_true", help="replay even if the script or torch version differ")
+    rp.set_defaults(func=cmd_replay)
 
     i = sub.add_parser("inspect", help="summarize a trace")
     i.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
@@ -220,8 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:  # everything after -- is the program's command line, untouched
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command = command
     try:
         return int(args.func(args))
     except (ConfigError, ValueError) as e:

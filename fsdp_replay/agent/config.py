@@ -108,12 +108,27 @@ class AgentConfig:
     """Payload bytes waiting for the writer beyond which new payloads are dropped (and counted)."""
     inject_fault: str = ""
     """Testing only: ``WHERE:N`` raises inside the agent at the N-th call of WHERE."""
+    # Replay mode (set by `fsdp-replay replay`).
+    trace: str = ""
+    """The trace to replay from."""
+    rank: int = 0
+    """The recorded rank this process replays."""
+    from_step: int = 0
+    """Verify from this step on (restoring the latest snapshot at or before it)."""
+    to_step: int = -1
+    """Stop after this step (-1: run the program to its end)."""
+    report: str = ""
+    """Folder for report.json."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"{ENV_PREFIX}MODE={self.mode!r}: expected one of {', '.join(MODES)}")
-        if self.mode != "off" and not self.out:
-            raise ConfigError(f"{ENV_PREFIX}OUT must name the run folder when {ENV_PREFIX}MODE={self.mode}")
+        if self.mode == "record" and not self.out:
+            raise ConfigError(f"{ENV_PREFIX}OUT must name the run folder when {ENV_PREFIX}MODE=record")
+        if self.mode == "replay" and not (self.trace and self.report):
+            raise ConfigError(
+                f"{ENV_PREFIX}TRACE and {ENV_PREFIX}REPORT are needed when {ENV_PREFIX}MODE=replay"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -131,10 +146,24 @@ class AgentConfig:
             sync_steps=_bool(env, "SYNC_STEPS", True),
             max_pending_bytes=_int(env, "MAX_PENDING_BYTES", 1 << 30, minimum=1),
             inject_fault=env.get(ENV_PREFIX + "INJECT_FAULT", ""),
+            trace=env.get(ENV_PREFIX + "TRACE", ""),
+            rank=_int(env, "RANK", 0),
+            from_step=_int(env, "FROM_STEP", 0),
+            to_step=_int(env, "TO_STEP", -1, minimum=-1),
+            report=env.get(ENV_PREFIX + "REPORT", ""),
         )
 
     def to_env(self) -> dict[str, str]:
         """The environment that makes a child process's agent use this config."""
+        if self.mode == "replay":
+            return {
+                ENV_PREFIX + "MODE": self.mode,
+                ENV_PREFIX + "TRACE": self.trace,
+                ENV_PREFIX + "RANK": str(self.rank),
+                ENV_PREFIX + "FROM_STEP": str(self.from_step),
+                ENV_PREFIX + "TO_STEP": str(self.to_step),
+                ENV_PREFIX + "REPORT": self.report,
+            }
         return {
             ENV_PREFIX + "MODE": self.mode,
             ENV_PREFIX + "OUT": self.out,

@@ -31,17 +31,18 @@ class Guarded:
         self.owner = owner
         self.where = where
 
-    def __call__(self, fn: Callable[..., Any]) -> Callable[..., None]:
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         owner, where = self.owner, self.where
 
         @functools.wraps(fn)
-        def guarded(*args: Any, **kwargs: Any) -> None:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
             if not owner.active():
-                return
+                return None
             try:
-                fn(*args, **kwargs)
+                return fn(*args, **kwargs)
             except Exception as e:
                 owner.fail(where, e)
+                return None
 
         return guarded
 
@@ -121,8 +122,8 @@ class Hooks:
 
         def __next__(it: Any) -> Any:
             batch = original(it)
-            seen(it, batch)
-            return batch
+            replacement = seen(it, batch)  # the replayer feeds recorded batches this way
+            return batch if replacement is None else replacement
 
         return __next__
 

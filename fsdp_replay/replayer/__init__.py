@@ -1,0 +1,1 @@
+"""Replay one rank alone, verify it bit for bit, and find where runs diverged."""

@@ -1,0 +1,708 @@
+"""The agent in replay mode: one process plays rank R of N, answering collectives from the trace.
+
+``init_process_group`` is redirected to torch's fake process group (rank R of N, no peers, no
+network); the same dispatcher kernels the recorder uses see every collective first, check it
+against the record (op, process group, shapes, the fingerprint of every input), let the fake
+backend complete it, and fill its outputs with the recorded payload. Step boundaries compare the
+rank's parameters, losses and RNG states; DataLoader batches are replaced by the recorded ones.
+Replaying from step S restores the latest snapshot at or before S at the same program point it
+was taken (the optimizer step hook), after running the earlier steps unverified.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import struct
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_replay.agent import capture
+from fsdp_replay.agent.collectives import CollectiveCall, wait_result
+from fsdp_replay.agent.config import AgentConfig
+from fsdp_replay.agent.fingerprint import Pending, fingerprint
+from fsdp_replay.agent.hooks import Hooks
+from fsdp_replay.errors import FsdpReplayError
+from fsdp_replay.replayer.expected import ExpectedColl, ExpectedTensor, RankRecord
+from fsdp_replay.replayer.report import Divergence, magnitude
+from fsdp_replay.trace.reader import Trace
+
+log = logging.getLogger(__name__)
+EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 3
+ALLGATHER_OPS = frozenset(
+    {
+        "_allgather_base_",
+        "allgather_into_tensor_coalesced_",
+        "_c10d_functional.all_gather_into_tensor",
+        "_c10d_functional.all_gather_into_tensor_out",
+        "_c10d_functional.all_gather_into_tensor_coalesced",
+    }
+)
+
+
+def _value(x: Any) -> Any:
+    return x.value() if isinstance(x, Pending) else x
+
+
+def _same_float(a: float, b: float) -> bool:
+    """Bitwise equality, except that any NaN equals any NaN: a loss's NaN payload bits do not
+    survive the JSON of the spool (parameters and collectives are compared bit for bit)."""
+    if math.isnan(a) and math.isnan(b):
+        return True
+    return struct.pack("<d", a) == struct.pack("<d", b)
+
+
+class Replayer:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.pid = os.getpid()
+        self.t0 = time.monotonic()
+        self.trace = Trace.open(config.trace)
+        self.rec = RankRecord(self.trace, config.rank)
+        self.rank = config.rank
+        self.world = self.rec.world_size
+        self.from_step = config.from_step
+        self.to_step = config.to_step
+        snap = self.rec.snapshot_at_or_before(self.from_step) if self.from_step > 0 else None
+        self.restore_step = int(snap["step"]) if snap else 0
+        self.snapshot = snap
+        self.seq = 0
+        self.step = 0
+        self.micro = 0
+        self.step_colls = 0
+        self.batches = 0
+        self.verified_colls = 0
+        self.verified_steps: list[int] = []
+        self.colls_per_step: dict[int, int] = {}
+        self.primary: Any = None
+        self.divergences: list[Divergence] = []
+        self.notes: list[str] = []
+        self.data_differences = 0
+        self.stopping = False
+        self.finished = False
+        self.failed = False
+        self.hooks: Hooks | None = None
+        self.on_step_zero_done: Any = None  # set by Hooks: drops the module hooks after step 0
+        self._threads_checked = False
+
+    # -- the owner interface the hooks expect -----------------------------------------------
+    def active(self) -> bool:
+        return os.getpid() == self.pid and not self.stopping
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        log.error(
+            "fsdp-replay: replay failed in %s: %s", where, "".join(traceback.format_exception(exc))[-3000:]
+        )
+        self.finish("error", EXIT_BAD_INPUT, reason=f"{where}: {exc}")
+
+    def verifying(self) -> bool:
+        return self.step >= self.restore_step
+
+    def on_root_forward(self, module: torch.nn.Module) -> None:
+        pass
+
+    # -- start -----------------------------------------------------------------------------
+    def start(self) -> None:
+        recorded = (self.rec.meta.get("versions") or {}).get("torch")
+        if recorded and recorded != torch.__version__ and os.environ.get("FSDP_REPLAY_FORCE") != "1":
+            self.refuse(
+                f"the trace was recorded with torch {recorded}; this process has torch "
+                f"{torch.__version__} (kernels differ between versions; pass --force to replay anyway)"
+            )
+        self._restore_rng(-1, "process start")
+        self._patch_init()
+
+    def refuse(self, why: str) -> None:
+        sys.stderr.write(f"fsdp-replay: refusing to replay: {why}\n")
+        self.finish("refused", EXIT_BAD_INPUT, reason=why)
+
+    def _patch_init(self) -> None:
+        import torch.distributed.distributed_c10d as c10d
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+        original_init = c10d.init_process_group
+        original_new_group = c10d.new_group
+        me = self
+
+        def init_process_group(
+            backend: Any = None,
+            init_method: Any = None,
+            timeout: Any = None,
+            world_size: int = -1,
+            rank: int = -1,
+            store: Any = None,
+            **kwargs: Any,
+        ) -> None:
+            ws = world_size if world_size and world_size > 0 else int(os.environ.get("WORLD_SIZE", me.world))
+            rk = rank if rank is not None and rank >= 0 else int(os.environ.get("RANK", me.rank))
+            if ws != me.world:
+                me.refuse(f"the program asks for world size {ws}; the trace was recorded with {me.world}")
+            if rk != me.rank:
+                me.refuse(f"the program asks for rank {rk}; this replay plays rank {me.rank}")
+            kwargs.pop("device_id", None)  # no eager communicator: there is nothing to connect to
+            kwargs.pop("pg_options", None)
+            args: dict[str, Any] = {
+                "backend": "fake",
+                "store": FakeStore(),
+                "world_size": me.world,
+                "rank": me.rank,
+            }
+            if timeout is not None:
+                args["timeout"] = timeout
+            original_init(**args, **kwargs)
+
+        def new_group(*args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("backend", None)
+            kwargs.pop("pg_options", None)
+            if len(args) > 2:
+                args = args[:2] + (None,) + args[3:]
+            return original_new_group(*args, **kwargs)
+
+        for mod in (dist, c10d):
+            mod.init_process_group = init_process_group  # type: ignore[assignment]
+            mod.new_group = new_group  # type: ignore[assignment]
+
+    # -- collectives -----------------------------------------------------------------------
+    def run(self, call: CollectiveCall, real: Any) -> Any:
+        try:
+            return self._run(call, real)
+        except Exception as e:  # a replay that cannot answer a collective cannot go on
+            self.fail(f"collective {call.op}", e)
+            raise
+
+    def _run(self, call: CollectiveCall, real: Any) -> Any:
+        seq = self.seq
+        self.seq += 1
+        exp = self.rec.colls.get(seq)
+        verify = self.verifying()
+        if verify and not self._threads_checked:
+            self._check_threads()
+        if exp is None:
+            result = real()
+            if verify:
+                self.diverge(
+                    Divergence(
+                        kind="extra_collective",
+                        rank=self.rank,
+                        step=self.step,
+                        micro=self.micro,
+                        seq=seq,
+                        op=call.op,
+                        detail=f"the recorded rank issued {len(self.rec.colls)} collectives; "
+                        "the replay issues more",
+                    ),
+                    stop=True,
+                )
+            return result
+        if verify:
+            self._check_call(call, exp, seq, call.inputs, exp.role("i"), "input")
+        result = real()
+        call.set_outputs(result)  # functional collectives: the outputs exist only now
+        wait_result(result, call)
+        if verify:
+            self._check_call(call, exp, seq, call.outputs, exp.role("o"), "output")
+        self._fill_outputs(call, exp, verify)
+        self.step_colls += 1
+        if verify:
+            self.verified_colls += 1
+        return result
+
+    def _pg_matches(self, call: CollectiveCall, exp: ExpectedColl) -> str | None:
+        info = self.rec.process_groups.get(exp.pg)
+        pg = call.process_group
+        if info is None or pg is None:
+            return None
+        if int(info["size"]) != pg.size() or int(info["group_rank"]) != pg.rank():
+            return (
+                f"process group of size {pg.size()} (group rank {pg.rank()}); recorded size {info['size']} "
+                f"(group rank {info['group_rank']}, ranks {info['ranks']})"
+            )
+        return None
+
+    def _check_call(
+        self,
+        call: CollectiveCall,
+        exp: ExpectedColl,
+        seq: int,
+        tensors: list[torch.Tensor],
+        expected: list[ExpectedTensor],
+        role: str,
+    ) -> None:
+        base = {
+            "rank": self.rank,
+            "step": self.step,
+            "micro": self.micro,
+            "seq": seq,
+            "op": call.op,
+            "pg": exp.pg,
+        }
+        if role == "input":
+            if call.op != exp.op:
+                self.diverge(
+                    Divergence(kind="op", **base, detail=f"replay issued {call.op}; recorded {exp.op}"),
+                    stop=True,
+                    feeding=True,
+                )
+                return
+            pg_problem = self._pg_matches(call, exp)
+            if pg_problem:
+                self.diverge(Divergence(kind="process_group", **base, detail=pg_problem), stop=True)
+                return
+        if len(expected) != len(tensors):
+            self.diverge(
+                Divergence(kind="shape", **base, detail=f"{len(tensors)} {role}s; recorded {len(expected)}"),
+                stop=True,
+            )
+            return
+        for i, (t, e) in enumerate(zip(tensors, expected, strict=True)):
+            t = capture.local(t)
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype != e.dtype or tuple(t.shape) != e.shape:
+                self.diverge(
+                    Divergence(
+                        kind="shape",
+                        **base,
+                        tensor=f"{role} {i}",
+                        detail=f"{dtype}{list(t.shape)}; recorded {e.dtype}{list(e.shape)}",
+                    ),
+                    stop=True,
+                    feeding=True,
+                )
+                return
+        if role != "input":
+            return
+        ins = expected
+        for i, (t, e) in enumerate(zip(call.inputs, ins, strict=True)):
+            t = capture.local(t)
+            fp, _nf, _ = fingerprint(t, e.algo)
+            fp = _value(fp)
+            if fp != e.fp:
+                self.diverge(
+                    Divergence(
+                        kind="collective_input",
+                        **base,
+                        tensor=f"input {i}",
+                        expected_fp=e.fp,
+                        actual_fp=fp,
+                        magnitude=self._input_magnitude(call, exp, t, i),
+                    ),
+                    stop=True,
+                    feeding=True,
+                )
+                return
+
+    def _input_magnitude(
+        self, call: CollectiveCall, exp: ExpectedColl, t: torch.Tensor, i: int
+    ) -> dict | None:
+        ins = exp.role("i")
+        try:
+            if ins[i].payload >= 0:
+                return magnitude(self.rec.tensor(ins[i]), t)
+            outs = exp.role("o")
+            pg = call.process_group
+            if exp.op in ALLGATHER_OPS and len(outs) == len(ins) and outs[i].payload >= 0 and pg is not None:
+                # An all-gather's output holds every rank's input: this rank's chunk is what it sent.
+                chunk = self.rec.tensor(outs[i]).reshape(pg.size(), -1)[pg.rank()]
+                return magnitude(chunk.reshape(t.shape), t)
+            if exp.op == "allgather_" and len(outs) >= 1 and pg is not None:
+                out = outs[pg.rank()]
+                if out.payload >= 0:
+                    return magnitude(self.rec.tensor(out), t)
+        except Exception as e:  # magnitude is a bonus; never let it hide the divergence
+            self.notes.append(f"could not compute the divergence magnitude: {e!r}")
+        return None
+
+    def _fill_outputs(self, call: CollectiveCall, exp: ExpectedColl, verify: bool) -> None:
+        for t, e in zip(call.outputs, exp.role("o"), strict=False):
+            dst = capture.local(t)
+            if e.payload >= 0:
+                with torch.no_grad():
+                    dst.copy_(self.rec.tensor(e))
+            elif verify:
+                self.diverge(
+                    Divergence(
+                        kind="payload_missing",
+                        rank=self.rank,
+                        step=self.step,
+                        micro=self.micro,
+                        seq=exp.seq,
+                        op=exp.op,
+                        pg=exp.pg,
+                        detail=f"the trace holds no payload for step {exp.step}: an isolated replay "
+                        f"of steps {self.restore_step}.. needs the payloads of those steps (record "
+                        f"with --payloads all or steps:{self.restore_step}-...)",
+                    ),
+                    stop=True,
+                    unusable=True,
+                )
+            else:
+                with torch.no_grad():
+                    dst.zero_()  # fast-forward before the restored snapshot: values are overwritten later
+
+    # -- steps -----------------------------------------------------------------------------
+    def on_step_begin(self, opt: torch.optim.Optimizer) -> None:
+        if self.primary is None:
+            self.primary = opt
+
+    def on_step_end(self, opt: torch.optim.Optimizer) -> None:
+        if opt is not self.primary:
+            return
+        exp = self.rec.steps.get(self.step)
+        if self.verifying():
+            self._check_step(opt, exp)
+        self.colls_per_step[self.step] = self.step_colls
+        done = self.step
+        if done == 0 and callable(self.on_step_zero_done):
+            self.on_step_zero_done()
+        self.step += 1
+        self.micro = 0
+        self.step_colls = 0
+        if self.verifying() and self.step > self.restore_step:
+            self._check_rng(self.step)
+        if self.step == self.restore_step and self.restore_step > 0:
+            self._restore(opt)
+        if self.divergences:
+            self.finish("diverged", EXIT_DIVERGED)
+        self._progress(done)
+        if self.to_step >= 0 and done >= self.to_step:
+            self.finish("end", EXIT_OK, reason=f"stopped after step {done} (--to-step)")
+
+    def _check_step(self, opt: torch.optim.Optimizer, exp: Any) -> None:
+        base = {"rank": self.rank, "step": self.step, "micro": self.micro}
+        if exp is None:
+            self.diverge(
+                Divergence(
+                    kind="extra_step",
+                    **base,
+                    detail=f"the recorded rank made {len(self.rec.steps)} "
+                    "optimizer steps; the replay makes more",
+                ),
+                stop=True,
+            )
+            return
+        if exp.micro_steps != self.micro:
+            self.diverge(
+                Divergence(
+                    kind="micro_steps",
+                    **base,
+                    detail=f"{self.micro} backward passes in this step; recorded {exp.micro_steps}",
+                )
+            )
+        params = capture.optimizer_params(opt)
+        names = self._param_names(params)
+        for i, (p, (efp, _enf, algo)) in enumerate(zip(params, exp.params, strict=False)):
+            fp = _value(fingerprint(capture.local(p), algo)[0])
+            if fp != efp:
+                self.diverge(
+                    Divergence(
+                        kind="parameters",
+                        **base,
+                        tensor=names[i],
+                        expected_fp=efp,
+                        actual_fp=fp,
+                        magnitude=self._param_magnitude(i, p),
+                        detail="parameters after the optimizer step differ",
+                    )
+                )
+                break
+        self.verified_steps.append(self.step)
+
+    def _param_magnitude(self, index: int, p: torch.Tensor) -> dict | None:
+        snap = self.rec.snapshots.get(self.step + 1)
+        if not snap or snap.get("payload", -1) < 0:
+            return None
+        state = capture.decode_snapshot(self.rec.blob(int(snap["payload"])))
+        return magnitude(state["optimizers"][0]["params"][index], capture.local(p))
+
+    def _param_names(self, params: list[torch.Tensor]) -> list[str]:
+        snap = next(iter(self.rec.snapshots.values()), None)
+        if snap:
+            names = [row[0] for row in snap.get("params", [])]
+            if len(names) == len(params):
+                return names
+        return [f"param {i}" for i in range(len(params))]
+
+    def _check_rng(self, step: int) -> None:
+        exp = self.rec.rng.get(step)
+        if exp is None:
+            return
+        fps, _ = capture.encode_rng(capture.rng_state())
+        for k in ("python", "torch", "numpy"):
+            if k in exp and k in fps and fps[k] != exp[k]:
+                self.diverge(
+                    Divergence(
+                        kind="rng",
+                        rank=self.rank,
+                        step=step - 1,
+                        micro=self.micro,
+                        tensor=k,
+                        expected_fp=exp[k],
+                        actual_fp=fps[k],
+                        detail=f"the {k} RNG state at the end of step {step - 1} differs: the "
+                        "program drew a different amount of randomness",
+                    )
+                )
+                return
+
+    def _restore_rng(self, step: int, what: str) -> None:
+        exp = self.rec.rng.get(step)
+        if exp is None or exp["payload"] < 0:
+            self.notes.append(f"no RNG state recorded at {what}")
+            return
+        fps, _ = capture.encode_rng(capture.rng_state())
+        differs = [k for k in ("python", "torch", "numpy") if k in exp and k in fps and fps[k] != exp[k]]
+        capture.set_rng_state(capture.decode_rng(self.rec.blob(exp["payload"])))
+        if differs and step < 0:
+            self.notes.append(
+                f"the {', '.join(differs)} RNG state at {what} differed from the recorded one and was "
+                "restored (Python's and numpy's are seeded from the OS unless the program seeds them)"
+            )
+
+    def _restore(self, opt: torch.optim.Optimizer) -> None:
+        snap = self.snapshot
+        assert snap is not None
+        expected_seq = self.rec.first_seq_of_step(self.restore_step)
+        if self.seq != expected_seq:
+            self.notes.append(
+                f"before step {self.restore_step} the replay issued {self.seq} collectives; the record "
+                f"has {expected_seq}"
+            )
+        state = capture.decode_snapshot(self.rec.blob(int(snap["payload"])))
+        saved = state["optimizers"][0]
+        params = capture.optimizer_params(opt)
+        with torch.no_grad():
+            for p, value in zip(params, saved["params"], strict=True):
+                capture.local(p).copy_(value)
+            for p, st in zip(params, saved["state"], strict=True):
+                current = opt.state[p]
+                for k, v in st.items():
+                    cur = current.get(k)
+                    if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor):
+                        capture.local(cur).copy_(v)
+                    else:
+                        current[k] = v
+            for group, g in zip(opt.param_groups, saved["param_groups"], strict=True):
+                group.update({k: v for k, v in g.items() if k != "params"})
+        for sched, s in zip(capture.schedulers_of(opt), saved["schedulers"], strict=False):
+            sched.load_state_dict(s["state"])
+        self._restore_rng(self.restore_step, f"step {self.restore_step}")
+
+    # -- backward and batches --------------------------------------------------------------
+    def on_backward(self, tensors: Any) -> None:
+        if not self.verifying() or not isinstance(tensors, torch.Tensor) or tensors.numel() != 1:
+            return
+        exp = self.rec.steps.get(self.step)
+        if exp is None or self.micro >= len(exp.losses):
+            return
+        value = float(tensors.detach().double().item())
+        if not _same_float(value, exp.losses[self.micro]):
+            self.diverge(
+                Divergence(
+                    kind="loss",
+                    rank=self.rank,
+                    step=self.step,
+                    micro=self.micro,
+                    detail=f"loss {value!r}; recorded {exp.losses[self.micro]!r}",
+                )
+            )
+
+    def after_backward(self) -> None:
+        self.micro += 1
+
+    def on_batch(self, iterator: Any, batch: Any) -> Any:
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        n = self.batches
+        self.batches += 1
+        if n >= len(self.rec.batches):
+            return None
+        exp = self.rec.batches[n]
+        leaves, spec = tree_flatten(batch)
+        tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        expected: list[ExpectedTensor] = exp["tensors"]
+        if len(tensor_idx) != len(expected):
+            self.notes.append(
+                f"batch {n} has {len(tensor_idx)} tensors; recorded {len(expected)}: not replaced"
+            )
+            return None
+        same = all(
+            _value(fingerprint(leaves[i], e.algo)[0]) == e.fp
+            for i, e in zip(tensor_idx, expected, strict=True)
+        )
+        if same:
+            return None
+        self.data_differences += 1
+        if any(e.payload < 0 for e in expected):
+            if self.verifying():
+                self.diverge(
+                    Divergence(
+                        kind="batch",
+                        rank=self.rank,
+                        step=self.step,
+                        micro=self.micro,
+                        detail=f"batch {n} differs from the recorded one, whose bytes were not stored",
+                    ),
+                    stop=True,
+                    unusable=True,
+                )
+            return None
+        if self.data_differences == 1:
+            self.notes.append(
+                f"the DataLoader produced different data than recorded (first at batch {n}, step "
+                f"{self.step}); the recorded batches were fed instead"
+            )
+        for i, e in zip(tensor_idx, expected, strict=True):
+            leaves[i] = self.rec.tensor(e).to(leaves[i].device).clone()
+        return tree_unflatten(leaves, spec)
+
+    # -- divergence and the end ------------------------------------------------------------
+    def _check_threads(self) -> None:
+        self._threads_checked = True
+        recorded = (self.rec.meta.get("threads") or {}).get("intra_op")
+        now = torch.get_num_threads()
+        if recorded is not None and recorded != now:
+            msg = (
+                f"intra-op threads: recorded {recorded}, replay {now}. CPU kernels split reductions by thread, "
+                "so float results can differ in the last bits: set OMP_NUM_THREADS to the recorded value"
+            )
+            self.notes.append(msg)
+            log.warning("fsdp-replay: %s", msg)
+
+    def diverge(
+        self, d: Divergence, *, stop: bool = False, feeding: bool = False, unusable: bool = False
+    ) -> None:
+        if feeding:
+            d.modules = feeding_modules()
+        self.divergences.append(d)
+        if stop:
+            self.finish("unusable" if unusable else "diverged", EXIT_BAD_INPUT if unusable else EXIT_DIVERGED)
+
+    def _progress(self, step: int) -> None:
+        total = len(self.rec.steps) if self.to_step < 0 else self.to_step + 1
+        state = "verified" if step >= self.restore_step else "fast-forward"
+        print(
+            f"[fsdp-replay] rank {self.rank}: step {step}/{total - 1} {state} ({self.verified_colls} collectives "
+            "verified)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def report(self, status: str, reason: str) -> dict[str, Any]:
+        return {
+            "status": status,
+            "reason": reason,
+            "rank": self.rank,
+            "world_size": self.world,
+            "trace": self.trace.url,
+            "from_step": self.from_step,
+            "to_step": self.to_step,
+            "restored_snapshot": self.restore_step if self.restore_step > 0 else None,
+            "verified_steps": self.verified_steps,
+            "collectives_verified": self.verified_colls,
+            "collectives_per_step": self.colls_per_step,
+            "recorded_steps": len(self.rec.steps),
+            "recorded_collectives": len(self.rec.colls),
+            "replayed_collectives": self.seq,
+            "first_divergence": self.divergences[0].as_dict() if self.divergences else None,
+            "divergences": [d.as_dict() for d in self.divergences[:20]],
+            "data_differences": self.data_differences,
+            "notes": self.notes,
+            "determinism": self.rec.meta.get("determinism"),
+            "recorded_on_cuda": "cuda" in self.rec.attrs.get("device_names", []),
+            "seconds": time.monotonic() - self.t0,
+        }
+
+    def finish(self, status: str, code: int, reason: str | None = None) -> None:
+        """Write report.json; leave the process now unless the program is ending by itself.
+
+        ``status`` "exit" (the program ended) and "end" (--to-step reached) are resolved to
+        "bit-exact" or "diverged" from what was verified.
+        """
+        if self.finished:
+            return
+        self.finished = True
+        self.stopping = True
+        at_exit = status == "exit"
+        if status in ("exit", "end"):
+            reason = reason or "the program ended"
+            status, code = self._final_status(check_complete=at_exit)
+        out = Path(self.config.report)
+        out.mkdir(parents=True, exist_ok=True)
+        doc = self.report(status, reason or status)
+        tmp = out / "report.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        tmp.replace(out / "report.json")
+        if not at_exit:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _final_status(self, check_complete: bool) -> tuple[str, int]:
+        if self.divergences:
+            return "diverged", EXIT_DIVERGED
+        if check_complete and self.seq < len(self.rec.colls) and self.to_step < 0:
+            self.divergences.append(
+                Divergence(
+                    kind="ended_early",
+                    rank=self.rank,
+                    step=self.step,
+                    micro=self.micro,
+                    seq=self.seq,
+                    detail=f"the program ended after {self.seq} collectives; the recorded rank issued "
+                    f"{len(self.rec.colls)}",
+                )
+            )
+            return "diverged", EXIT_DIVERGED
+        return "bit-exact", EXIT_OK
+
+
+def feeding_modules() -> list[str]:
+    """Names of the parameters whose collective this is, found in the FSDP frames that issued it."""
+    frame = sys._getframe(1)
+    found: list[str] = []
+    while frame is not None and not found:
+        owner = frame.f_locals.get("self")
+        fsdp_params = frame.f_locals.get("fsdp_params") or getattr(owner, "fsdp_params", None)
+        if fsdp_params:  # FSDP2: FSDPParamGroup.unshard / post_backward
+            for fp in fsdp_params:
+                fqn = getattr(fp, "_param_fqn", None)
+                info = getattr(fp, "_module_info", None)
+                if fqn is None and info is not None:
+                    fqn = f"{type(info.module).__name__}.{info.param_name}"
+                found.append(str(fqn))
+        flat = getattr(owner, "flat_param", None)
+        if flat is not None and getattr(flat, "_fqns", None):  # FSDP1: FlatParamHandle
+            found.extend(str(f) for f in flat._fqns)
+        frame = frame.f_back  # type: ignore[assignment]
+    return found[:50]
+
+
+def attach_replay(config: AgentConfig) -> Replayer:
+    try:
+        replayer = Replayer(config)
+    except FsdpReplayError as e:
+        out = Path(config.report)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(
+            json.dumps({"status": "unusable", "reason": str(e), "notes": [str(e)]})
+        )
+        sys.stderr.write(f"fsdp-replay: cannot replay: {e}\n")
+        os._exit(EXIT_BAD_INPUT)
+    hooks = Hooks(replayer)
+    hooks.install()
+    replayer.hooks = hooks
+    replayer.start()
+    atexit.register(replayer.finish, "exit", EXIT_OK)
+    return replayer

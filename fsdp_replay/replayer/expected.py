@@ -1,0 +1,209 @@
+"""What the replayed rank is expected to do: its recorded events, indexed for the replay.
+
+Loaded once at start-up from rank R's group only (columns are read whole, per table), so a rank of
+a 512-rank trace reads 1/512 of the metadata. Payloads are read lazily and kept in a bounded cache
+(FSDP2 gathers the same parameters in forward and backward).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fsdp_replay.errors import TraceFormatError, TraceNotFoundError
+from fsdp_replay.trace.collect import ROLE_CODES
+from fsdp_replay.trace.reader import RankTrace, Trace
+
+ROLES = {v: k for k, v in ROLE_CODES.items()}
+PAYLOAD_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedTensor:
+    role: str
+    dtype: str
+    shape: tuple[int, ...]
+    fp: int
+    algo: str
+    nonfinite: bool
+    payload: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedColl:
+    seq: int
+    step: int
+    micro: int
+    op: str
+    pg: int
+    reduce_op: str | None
+    tensors: tuple[ExpectedTensor, ...]
+
+    def role(self, role: str) -> list[ExpectedTensor]:
+        return [t for t in self.tensors if t.role == role]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedStep:
+    step: int
+    micro_steps: int
+    colls: int
+    params: tuple[tuple[int, bool, str], ...]
+    losses: tuple[float, ...]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise TraceFormatError(f"dtype {name!r} is unknown to this torch ({torch.__version__})")
+    return dt
+
+
+class RankRecord:
+    def __init__(self, trace: Trace, rank: int) -> None:
+        self.trace = trace
+        self.rank_trace: RankTrace = trace.rank(rank)
+        self.rank = rank
+        rt = self.rank_trace
+        self.meta = rt.meta
+        self.attrs = rt.attrs
+        names = {k: rt.names(k) for k in ("op", "dtype", "reduce_op", "algo")}
+        c, t = rt.collectives, rt.tensors
+        dims = rt.table("shapes")["dim"]
+        self.colls: dict[int, ExpectedColl] = {}
+        t_cols = {
+            k: t[k] for k in ("role", "dtype", "shape_start", "ndim", "fp", "algo", "nonfinite", "payload")
+        }
+        for i, seq in enumerate(c["seq"].tolist()):
+            start, count = int(c["tensor_start"][i]), int(c["tensor_count"][i])
+            tensors = tuple(
+                ExpectedTensor(
+                    ROLES[int(t_cols["role"][j])],
+                    names["dtype"][int(t_cols["dtype"][j])],
+                    tuple(
+                        int(d)
+                        for d in dims[
+                            int(t_cols["shape_start"][j]) : int(t_cols["shape_start"][j])
+                            + int(t_cols["ndim"][j])
+                        ]
+                    ),
+                    int(t_cols["fp"][j]),
+                    names["algo"][int(t_cols["algo"][j])],
+                    bool(t_cols["nonfinite"][j]),
+                    int(t_cols["payload"][j]),
+                )
+                for j in range(start, start + count)
+            )
+            rop = int(c["reduce_op"][i])
+            self.colls[int(seq)] = ExpectedColl(
+                int(seq),
+                int(c["step"][i]),
+                int(c["micro"][i]),
+                names["op"][int(c["op"][i])],
+                int(c["pg"][i]),
+                None if rop < 0 else names["reduce_op"][rop],
+                tensors,
+            )
+        s = rt.steps
+        sp = rt.table("step_params")
+        losses = rt.table("losses")["value"]
+        self.steps: dict[int, ExpectedStep] = {}
+        for i, step in enumerate(s["step"].tolist()):
+            ps, pc = int(s["param_start"][i]), int(s["param_count"][i])
+            ls, lc = int(s["loss_start"][i]), int(s["loss_count"][i])
+            self.steps[int(step)] = ExpectedStep(
+                int(step),
+                int(s["micro_steps"][i]),
+                int(s["colls"][i]),
+                tuple(
+                    (int(sp["fp"][j]), bool(sp["nonfinite"][j]), names["algo"][int(sp["algo"][j])])
+                    for j in range(ps, ps + pc)
+                ),
+                tuple(float(x) for x in losses[ls : ls + lc]),
+            )
+        rng = rt.table("rng")
+        self.rng: dict[int, dict[str, Any]] = {}
+        for i, step in enumerate(rng["step"].tolist()):
+            self.rng[int(step)] = {
+                "payload": int(rng["payload"][i]),
+                **{k: int(rng[k][i]) for k in ("python", "torch", "numpy") if int(rng[k][i]) >= 0},
+            }
+        self.snapshots = {int(sn["step"]): sn for sn in self.attrs.get("snapshots", [])}
+        self.process_groups = {int(pg["pg"]): pg for pg in self.attrs.get("process_groups", [])}
+        b, bt = rt.batches, rt.batch_tensors
+        self.batches: list[dict[str, Any]] = []
+        structures = self.attrs.get("structures", [])
+        for i in range(len(b)):
+            start, count = int(b["tensor_start"][i]), int(b["tensor_count"][i])
+            self.batches.append(
+                {
+                    "step": int(b["step"][i]),
+                    "micro": int(b["micro"][i]),
+                    "structure": structures[int(b["structure"][i])],
+                    "tensors": [
+                        ExpectedTensor(
+                            "",
+                            names["dtype"][int(bt["dtype"][j])],
+                            tuple(
+                                int(d)
+                                for d in dims[
+                                    int(bt["shape_start"][j]) : int(bt["shape_start"][j]) + int(bt["ndim"][j])
+                                ]
+                            ),
+                            int(bt["fp"][j]),
+                            names["algo"][int(bt["algo"][j])],
+                            bool(bt["nonfinite"][j]),
+                            int(bt["payload"][j]),
+                        )
+                        for j in range(start, start + count)
+                    ],
+                }
+            )
+        self._cache: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
+        self._cache_bytes = 0
+
+    @property
+    def world_size(self) -> int:
+        return int(self.meta.get("world_size", self.trace.world_size or 1))
+
+    def first_seq_of_step(self, step: int) -> int:
+        for seq, coll in self.colls.items():
+            if coll.step >= step:
+                return seq
+        return len(self.colls)
+
+    def snapshot_at_or_before(self, step: int) -> dict[str, Any] | None:
+        best = [s for s in self.snapshots if s <= step and self.snapshots[s].get("payload", -1) >= 0]
+        return self.snapshots[max(best)] if best else None
+
+    def blob(self, row: int) -> bytes:
+        return self.rank_trace.payload(row)
+
+    def tensor(self, t: ExpectedTensor) -> torch.Tensor:
+        """The recorded bytes of ``t`` as a CPU tensor (verified against its fingerprint once)."""
+        if t.payload < 0:
+            raise TraceNotFoundError("payload not recorded")
+        hit = self._cache.get(t.payload)
+        if hit is None:
+            data = self.rank_trace.payload(t.payload, verify=(t.algo, t.fp))
+            hit = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if data
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            self._cache[t.payload] = hit
+            self._cache_bytes += len(data)
+            while self._cache_bytes > PAYLOAD_CACHE_BYTES and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= old.numel()
+        else:
+            self._cache.move_to_end(t.payload)
+        return hit.view(torch_dtype(t.dtype)).reshape(t.shape)
+
+
+def as_float(x: torch.Tensor) -> np.ndarray:
+    return x.detach().to("cpu", torch.float64).numpy().reshape(-1)

@@ -1,0 +1,126 @@
+"""Build and run the replay of one rank: the command, its environment, and the checks before it.
+
+The recorded command is the rank's own ``python script args`` (argv, cwd and the allow-listed
+environment from the trace), run as a single process with the agent in replay mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fsdp_replay.errors import ReplayMismatchError, TraceFormatError
+from fsdp_replay.trace import schema
+from fsdp_replay.trace.reader import Trace
+
+# Recorded variables that must not be carried into the replay (they describe the old launch).
+_DROP_ENV = (
+    "TORCHELASTIC_",
+    "MASTER_",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "LOCAL_WORLD_SIZE",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "CUDA_VISIBLE_DEVICES",
+    "FSDP_REPLAY_",
+    "PYTHONPATH",
+)
+
+
+def replay_command(meta: dict[str, Any], override: list[str]) -> tuple[list[str], str]:
+    if override:
+        return override, os.getcwd()
+    argv = list(meta.get("argv") or [])
+    if not argv:
+        raise TraceFormatError("the trace does not record this rank's command line; give one after --")
+    if schema.REDACTED in " ".join(argv):
+        raise ReplayMismatchError(
+            "the recorded command line had credentials, which the trace does not keep; "
+            "give the command after -- (e.g. -- python train.py --token ...)"
+        )
+    exe = meta.get("executable") or sys.executable
+    if not os.path.exists(exe):
+        exe = sys.executable
+    cwd = meta.get("cwd") or os.getcwd()
+    if not os.path.isdir(cwd):
+        cwd = os.getcwd()
+    return [exe, *argv], cwd
+
+
+def check_script(meta: dict[str, Any], command: list[str], cwd: str) -> None:
+    """Refuse when the script on disk is not the one recorded (by sha256)."""
+    script = meta.get("script") or {}
+    recorded = script.get("sha256")
+    if not recorded:
+        return
+    candidates = [a for a in command[1:] if a.endswith(".py")]
+    if not candidates:
+        return
+    path = Path(cwd, candidates[0])
+    if not path.is_file():
+        raise ReplayMismatchError(f"the recorded script {script.get('path')} is not at {path}")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != recorded:
+        raise ReplayMismatchError(
+            f"{path} is not the script that was recorded (sha256 {digest[:12]}… != recorded {recorded[:12]}…): "
+            "a replay of other code cannot be verified; pass --force to replay anyway"
+        )
+
+
+def check_torch(meta: dict[str, Any]) -> None:
+    recorded = (meta.get("versions") or {}).get("torch")
+    try:
+        here = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if recorded and recorded.split("+")[0] != here.split("+")[0]:
+        raise ReplayMismatchError(
+            f"the trace was recorded with torch {recorded}; this machine has torch {here}: kernels differ between "
+            "versions, so bits would too; pass --force to replay anyway"
+        )
+
+
+def replay_env(meta: dict[str, Any], rank: int, world: int, device: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    for k, v in (meta.get("env") or {}).items():
+        if v == schema.REDACTED or k.startswith(_DROP_ENV):
+            continue
+        env[k] = v
+    env.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29599",
+        }
+    )
+    threads = (meta.get("threads") or {}).get("intra_op")
+    if threads and "OMP_NUM_THREADS" not in (meta.get("env") or {}):
+        env["OMP_NUM_THREADS"] = str(threads)
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif device and device.startswith("cuda"):
+        env["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] or "0"
+    return env
+
+
+def report_dir(trace_url: str, rank: int, from_step: int) -> Path:
+    base = Path(trace_url).parent if "://" not in trace_url else Path.cwd()
+    return base / "replays" / f"rank-{rank:05d}-from-{from_step}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def open_rank(trace_url: str, rank: int) -> tuple[Trace, dict[str, Any]]:
+    trace = Trace.open(trace_url)
+    meta = trace.rank(rank).meta
+    if not meta:
+        raise TraceFormatError(f"rank {rank} has no start record", path=trace_url)
+    return trace, meta

@@ -1,0 +1,164 @@
+"""Divergences and the replay report (report.json written by the agent, rendered by the CLI)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+KIND_TEXT = {
+    "collective_input": "a collective's input differs",
+    "op": "a different collective was issued",
+    "process_group": "a collective ran on a different process group",
+    "shape": "a collective's tensors have other dtypes or shapes",
+    "parameters": "parameters after the optimizer step differ",
+    "loss": "the loss differs",
+    "rng": "an RNG state differs at a step boundary",
+    "micro_steps": "a different number of backward passes in the step",
+    "extra_collective": "the replay issued more collectives than the record",
+    "extra_step": "the replay made more optimizer steps than the record",
+    "ended_early": "the program ended before the recorded rank did",
+    "payload_missing": "a payload the replay needs is not in the trace",
+    "batch": "a batch differs and its recorded bytes are not stored",
+}
+
+
+@dataclass(slots=True)
+class Divergence:
+    kind: str
+    rank: int
+    step: int
+    micro: int = 0
+    seq: int | None = None
+    op: str | None = None
+    pg: int | None = None
+    tensor: str | None = None
+    expected_fp: int | None = None
+    actual_fp: int | None = None
+    magnitude: dict[str, Any] | None = None
+    detail: str = ""
+    modules: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["what"] = KIND_TEXT.get(self.kind, self.kind)
+        for k in ("expected_fp", "actual_fp"):
+            if d[k] is not None:
+                d[k] = f"{d[k]:016x}"
+        return d
+
+
+def magnitude(expected: Any, actual: Any) -> dict[str, Any]:
+    """How far two same-shaped tensors are apart (max abs/rel difference, count, first index)."""
+    import torch
+
+    e = expected.detach().to("cpu", torch.float64).reshape(-1).numpy()
+    a = actual.detach().to("cpu", torch.float64).reshape(-1).numpy()
+    if e.shape != a.shape:
+        return {"shape_mismatch": [int(e.size), int(a.size)]}
+    eb = expected.detach().cpu().contiguous().view(torch.uint8).reshape(e.size, -1) if e.size else None
+    ab = actual.detach().cpu().contiguous().view(torch.uint8).reshape(a.size, -1) if a.size else None
+    if eb is None or ab is None:
+        return {"differing": 0, "numel": 0}
+    differ = (eb != ab).any(dim=1).numpy()
+    n = int(differ.sum())
+    out: dict[str, Any] = {"differing": n, "numel": int(e.size)}
+    if n:
+        idx = int(np.argmax(differ))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            diff = np.abs(a - e)
+            rel = diff / np.maximum(np.abs(e), np.finfo(np.float64).tiny)
+        out.update(
+            first_index=idx,
+            expected_at_first=float(e[idx]),
+            actual_at_first=float(a[idx]),
+            max_abs=float(np.nanmax(diff)) if np.isfinite(diff).any() else float("nan"),
+            max_rel=float(np.nanmax(rel)) if np.isfinite(rel).any() else float("nan"),
+        )
+    return out
+
+
+def render_text(report: dict[str, Any]) -> str:
+    lines = []
+    status = report.get("status")
+    rank = report.get("rank")
+    steps = report.get("verified_steps") or []
+    span = f"{steps[0]}..{steps[-1]}" if steps else "none"
+    if status == "bit-exact":
+        lines.append(
+            f"rank {rank}: BIT-EXACT over steps {span} ({report['collectives_verified']} collectives, "
+            f"{len(steps)} steps)"
+        )
+    elif status == "diverged":
+        lines.append(f"rank {rank}: DIVERGED")
+    else:
+        lines.append(f"rank {rank}: {str(status).upper()}: {report.get('reason')}")
+    if report.get("restored_snapshot") is not None:
+        lines.append(f"  restored the snapshot of step {report['restored_snapshot']}")
+    d = report.get("first_divergence")
+    if d:
+        where = f"step {d['step']} micro-step {d['micro']}"
+        if d.get("seq") is not None:
+            where += f", collective #{d['seq']} {d.get('op')} on process group {d.get('pg')}"
+        lines.append(f"  first divergence: {d['what']} at {where}")
+        if d.get("tensor"):
+            lines.append(f"    tensor: {d['tensor']}")
+        if d.get("expected_fp"):
+            lines.append(f"    fingerprint: recorded {d['expected_fp']}, replay {d['actual_fp']}")
+        m = d.get("magnitude")
+        if m and m.get("differing"):
+            lines.append(
+                f"    {m['differing']} of {m['numel']} elements differ; max abs {m['max_abs']:.3g}, "
+                f"max rel {m['max_rel']:.3g}; first at index {m['first_index']} (recorded "
+                f"{m['expected_at_first']!r}, replay {m['actual_at_first']!r})"
+            )
+        if d.get("detail"):
+            lines.append(f"    {d['detail']}")
+        if d.get("modules"):
+            lines.append(f"    parameters feeding this collective: {', '.join(d['modules'][:12])}")
+        later = [x for x in report.get("divergences", [])[1:] if x.get("seq") is not None]
+        if later and d.get("seq") is None:
+            x = later[0]
+            lines.append(
+                f"  first collective affected: #{x['seq']} {x['op']} at step {x['step']} ({x['what']})"
+            )
+    det = report.get("determinism") or {}
+    if det and report.get("recorded_on_cuda") and not det.get("use_deterministic_algorithms"):
+        lines.append(
+            "  note: the recorded run did not enable torch.use_deterministic_algorithms: on CUDA some "
+            "kernels (atomics) are not bit-reproducible, so a divergence inside compute may come from them"
+        )
+    for n in report.get("notes", []):
+        lines.append(f"  note: {n}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Collectives replayed per step, verified steps in green, the divergent step in red."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    per_step = {int(k): v for k, v in (report.get("collectives_per_step") or {}).items()}
+    verified = set(report.get("verified_steps") or [])
+    d = report.get("first_divergence")
+    steps = sorted(per_step)
+    colors = [
+        "tab:red" if d and s == d["step"] else ("tab:green" if s in verified else "tab:gray") for s in steps
+    ]
+    fig, ax = plt.subplots(figsize=(8, 3))
+    ax.bar(steps, [per_step[s] for s in steps], color=colors)
+    if d:
+        ax.axvline(d["step"], color="tab:red", linestyle="--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("collectives")
+    ax.set_title(f"replay of rank {report.get('rank')}: {report.get('status')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

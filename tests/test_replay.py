@@ -1,0 +1,145 @@
+"""Replaying one rank alone from its trace: what issue #3 says it must show."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import zarr
+from conftest import CLI, EXAMPLE, REPO, record, run
+
+from fsdp_replay.trace import schema
+from fsdp_replay.trace.reader import Trace
+
+pytestmark = pytest.mark.slow
+SMALL = ("--layers", "2", "--d-model", "64", "--seq-len", "32")
+
+
+def replay(
+    run_dir: Path, rank: int, *args: str, command: tuple[str, ...] = (), check_code: int | None = None
+) -> tuple[dict, str, int]:
+    report = run_dir / f"report-{rank}-{'-'.join(a.strip('-') for a in args) or 'all'}"
+    shutil.rmtree(report, ignore_errors=True)
+    cmd = [*CLI, "replay", str(run_dir), "--rank", str(rank), "--report", str(report), *args]
+    if command:
+        cmd += ["--", *command]
+    proc = run(cmd, check=False)
+    if check_code is not None:
+        assert proc.returncode == check_code, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads((report / "report.json").read_text()) if (report / "report.json").is_file() else {}
+    return doc, proc.stdout + proc.stderr, proc.returncode
+
+
+@pytest.mark.parametrize(("nproc", "mode"), [(2, "fsdp2"), (2, "fsdp1"), (3, "fsdp2")])
+def test_every_rank_replays_alone_bit_exact_from_start_and_from_a_snapshot(
+    tmp_path: Path, nproc: int, mode: str
+) -> None:
+    args = ("--steps", "5", *SMALL, *(("--fsdp1",) if mode == "fsdp1" else ()))
+    rec, _ = record(tmp_path, nproc, *args, record_args=("--snapshot-every", "2"))
+    for rank in range(nproc):
+        doc, out, _ = replay(rec, rank, check_code=0)
+        assert doc["status"] == "bit-exact", out
+        assert doc["verified_steps"] == [0, 1, 2, 3, 4]
+        assert doc["collectives_verified"] == doc["recorded_collectives"] > 0
+        assert "BIT-EXACT over steps 0..4" in out
+        doc, out, _ = replay(rec, rank, "--from-step", "3", check_code=0)
+        assert doc["restored_snapshot"] == 2, out
+        assert doc["verified_steps"] == [2, 3, 4]
+        assert (rec / f"report-{rank}-from-step-3" / "replay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_planted_nondeterminism_stops_the_replay_at_that_step_rank_and_collective(tmp_path: Path) -> None:
+    rec, _ = record(
+        tmp_path, 2, "--steps", "4", *SMALL, "--wallclock-noise-at-step", "2", "--noise-rank", "1"
+    )
+    doc, out, _ = replay(rec, 1, check_code=1)
+    first = doc["first_divergence"]
+    assert (first["rank"], first["step"], first["kind"]) == (1, 2, "loss"), out
+    collective = next(d for d in doc["divergences"] if d["seq"] is not None)
+    assert collective["step"] == 2 and collective["kind"] == "collective_input"
+    assert collective["op"] == "_reduce_scatter_base_"  # the gradients of the noisy loss
+    assert collective["modules"], "the parameters feeding the collective are named"
+    assert doc["verified_steps"] == [0, 1]
+    assert "DIVERGED" in out and "first collective affected" in out
+    # rank 0 had no noise of its own: alone, fed rank 1's recorded data, it replays bit-exact
+    doc0, _, _ = replay(rec, 0, check_code=0)
+    assert doc0["status"] == "bit-exact"
+
+
+def test_a_different_script_world_size_or_torch_refuses_to_start(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    shutil.copy(EXAMPLE, script)
+    out = tmp_path / "rec"
+    from conftest import child_env, torchrun_cmd
+
+    run(
+        [*CLI, "record", "--out", str(out), "--", *torchrun_cmd(2, script, "--steps", "2", *SMALL)],
+        env=child_env(),
+    )
+    script.write_text(script.read_text() + "\n# edited after the recording\n")
+    _, text, code = replay(out, 0)
+    assert code == 3 and "is not the script that was recorded" in text and "Traceback" not in text
+    shutil.copy(EXAMPLE, script)  # the recorded script again
+    import sys
+
+    doc, text, code = replay(
+        out, 0, command=("env", "WORLD_SIZE=3", sys.executable, str(script), "--steps", "2", *SMALL)
+    )
+    assert code == 3 and doc["status"] == "refused" and "world size 3" in doc["reason"], text
+    group = zarr.open_group(str(out / schema.TRACE_DIR / "rank_00000"), mode="r+")
+    start = dict(group.attrs["rank_start"])
+    start["versions"] = {**start["versions"], "torch": "2.4.0"}
+    group.attrs["rank_start"] = start
+    _, text, code = replay(out, 0)
+    assert code == 3 and "recorded with torch 2.4.0" in text
+
+
+def test_a_different_thread_count_warns_with_what_it_means(tmp_path: Path) -> None:
+    import sys
+
+    rec, _ = record(tmp_path, 2, "--steps", "2", *SMALL)
+    doc, text, _ = replay(
+        rec, 0, command=("env", "OMP_NUM_THREADS=2", sys.executable, str(EXAMPLE), "--steps", "2", *SMALL)
+    )
+    assert any("intra-op threads: recorded 1, replay 2" in n for n in doc["notes"]), text
+    assert "intra-op threads" in text
+
+
+def test_a_nan_on_one_rank_is_named_and_replays_bit_for_bit(tmp_path: Path) -> None:
+    rec, _ = record(
+        tmp_path,
+        2,
+        "--steps",
+        "5",
+        *SMALL,
+        "--nan-at-step",
+        "3",
+        "--nan-rank",
+        "1",
+        record_args=("--snapshot-every", "2"),
+    )
+    r1 = Trace.open(rec / schema.TRACE_DIR).rank(1)
+    steps = r1.steps
+    assert steps["nonfinite"].tolist()[:4] == [False, False, False, True]
+    doc, out, _ = replay(rec, 1, "--from-step", "3", check_code=0)
+    assert doc["restored_snapshot"] == 2 and 3 in doc["verified_steps"], out
+
+
+def test_replay_needs_the_payloads_of_the_steps_it_verifies(tmp_path: Path) -> None:
+    rec, _ = record(tmp_path, 2, "--steps", "4", *SMALL, record_args=("--payloads", "steps:0-1"))
+    doc, out, _ = replay(rec, 1, "--to-step", "1", check_code=0)
+    assert doc["verified_steps"] == [0, 1]
+    doc, out, _ = replay(rec, 1, check_code=3)
+    first = doc["first_divergence"]
+    assert first["kind"] == "payload_missing" and first["step"] == 2, out
+    assert "needs the payloads" in out
+
+
+def test_replay_of_a_missing_rank_or_trace_is_a_clear_error(tmp_path: Path) -> None:
+    proc = run([*CLI, "replay", str(tmp_path / "nothing"), "--rank", "0"], check=False)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr
+    rec, _ = record(tmp_path, 2, "--steps", "1", *SMALL)
+    proc = run([*CLI, "replay", str(rec), "--rank", "5"], check=False, cwd=REPO)
+    assert proc.returncode == 3 and "rank 5 is not in this trace" in proc.stderr
