@@ -81,7 +81,7 @@ def attach(config: Any) -> Any:
             from fsdp_replay.agent.hooks import Hooks
             from fsdp_replay.agent.recorder import Recorder
 
-            agent = Recorder(config)
+            agent: Any = Recorder(config)
             hooks = Hooks(agent)
             hooks.install()
             agent.install_sigterm()

@@ -167,12 +167,12 @@ class Replayer:
             kwargs.pop("backend", None)
             kwargs.pop("pg_options", None)
             if len(args) > 2:
-                args = args[:2] + (None,) + args[3:]
+                args = (*args[:2], None, *args[3:])
             return original_new_group(*args, **kwargs)
 
         for mod in (dist, c10d):
-            mod.init_process_group = init_process_group  # type: ignore[assignment]
-            mod.new_group = new_group  # type: ignore[assignment]
+            setattr(mod, "init_process_group", init_process_group)  # noqa: B010
+            setattr(mod, "new_group", new_group)  # noqa: B010
 
     # -- collectives -----------------------------------------------------------------------
     def run(self, call: CollectiveCall, real: Any) -> Any:
@@ -240,7 +240,7 @@ class Replayer:
         expected: list[ExpectedTensor],
         role: str,
     ) -> None:
-        base = {
+        base: dict[str, Any] = {
             "rank": self.rank,
             "step": self.step,
             "micro": self.micro,
@@ -380,7 +380,7 @@ class Replayer:
             self.finish("end", EXIT_OK, reason=f"stopped after step {done} (--to-step)")
 
     def _check_step(self, opt: torch.optim.Optimizer, exp: Any) -> None:
-        base = {"rank": self.rank, "step": self.step, "micro": self.micro}
+        base: dict[str, Any] = {"rank": self.rank, "step": self.step, "micro": self.micro}
         if exp is None:
             self.diverge(
                 Divergence(
