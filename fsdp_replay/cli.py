@@ -66,6 +66,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         out=str(out),
         payloads=StepSet.parse(args.payloads),
         payload_inputs=args.payload_inputs,
+        module_fingerprints=StepSet.parse(args.module_fingerprints),
         snapshot_every=int(args.snapshot_every),
         sync_steps=not args.no_sync_steps,
     )
@@ -234,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=_env_flag("payload_inputs"),
         help="also store collective inputs (env FSDP_REPLAY_PAYLOAD_INPUTS)",
+    )
+    r.add_argument(
+        "--module-fingerprints",
+        default=_env_default("module_fingerprints", "none"),
+        help="steps whose module outputs and gradients are fingerprinted, so a replay can name the module "
+        "where a divergence starts: none, all, steps:SPEC (env FSDP_REPLAY_MODULE_FINGERPRINTS)",
     )
     r.add_argument(
         "--snapshot-every",

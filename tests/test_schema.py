@@ -71,6 +71,7 @@ def test_event_keys_pinned() -> None:
         "rng": {"type", "step", "states"},
         "snapshot": {"type", "step", "blob", "nbytes", "params"},
         "modules": {"type", "modules"},
+        "mod": {"type", "step", "micro", "idx", "name", "kind", "fp", "algo", "nonfinite"},
         "agent_error": {"type", "where", "message", "traceback"},
         "drop": {"type", "what", "count", "nbytes", "reason"},
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
@@ -176,6 +177,16 @@ def test_tables_pinned() -> None:
         "shapes": {"dim": "int64"},
         "rng": {"step": "int64", "payload": "int64", "python": "int64", "torch": "int64", "numpy": "int64"},
         "payloads": {"digest_hi": "uint64", "digest_lo": "uint64", "nbytes": "int64"},
+        "module_fps": {
+            "step": "int64",
+            "micro": "int32",
+            "idx": "int64",
+            "name": "int32",
+            "kind": "uint8",
+            "fp": "uint64",
+            "algo": "int16",
+            "nonfinite": "bool",
+        },
     }
     assert expected == collect.TABLES
     # the column order is the order the docs list them in

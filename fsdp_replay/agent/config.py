@@ -100,6 +100,8 @@ class AgentConfig:
     """Steps whose collective outputs and batches are stored (``none``, ``all``, ``steps:SPEC``)."""
     payload_inputs: bool = False
     """Also store collective inputs (outputs alone suffice for replay)."""
+    module_fingerprints: StepSet = field(default_factory=StepSet)
+    """Steps whose module outputs and output gradients are fingerprinted (to localize divergences)."""
     snapshot_every: int = 0
     """Snapshot the rank's state every N steps (0: only at step 0)."""
     sync_steps: bool = True
@@ -142,6 +144,7 @@ class AgentConfig:
             out=env.get(ENV_PREFIX + "OUT", ""),
             payloads=StepSet.parse(env.get(ENV_PREFIX + "PAYLOADS", "all")),
             payload_inputs=_bool(env, "PAYLOAD_INPUTS", False),
+            module_fingerprints=StepSet.parse(env.get(ENV_PREFIX + "MODULE_FINGERPRINTS", "none")),
             snapshot_every=_int(env, "SNAPSHOT_EVERY", 0),
             sync_steps=_bool(env, "SYNC_STEPS", True),
             max_pending_bytes=_int(env, "MAX_PENDING_BYTES", 1 << 30, minimum=1),
@@ -169,6 +172,7 @@ class AgentConfig:
             ENV_PREFIX + "OUT": self.out,
             ENV_PREFIX + "PAYLOADS": str(self.payloads),
             ENV_PREFIX + "PAYLOAD_INPUTS": "1" if self.payload_inputs else "0",
+            ENV_PREFIX + "MODULE_FINGERPRINTS": str(self.module_fingerprints),
             ENV_PREFIX + "SNAPSHOT_EVERY": str(self.snapshot_every),
             ENV_PREFIX + "SYNC_STEPS": "1" if self.sync_steps else "0",
             ENV_PREFIX + "MAX_PENDING_BYTES": str(self.max_pending_bytes),

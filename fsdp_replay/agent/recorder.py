@@ -104,6 +104,13 @@ class Recorder:
         self.finished = False
         self._lock = threading.Lock()
         self.on_step_zero_done: Callable[[], None] | None = None
+        self.module_idx = 0
+        self.tap: Any = None
+        if not config.module_fingerprints.empty:
+            from fsdp_replay.agent.modules import ModuleTap
+
+            self.tap = ModuleTap(self._emit_module, self._tap_enabled, self.fail)
+            self.tap.install()
 
     # -- life cycle ---------------------------------------------------------------------------
     def active(self) -> bool:
@@ -342,6 +349,7 @@ class Recorder:
         self.step += 1
         self.micro = 0
         self.step_colls = 0
+        self.module_idx = 0
         self.losses = []
         self.payload_now = self.step in self.config.payloads
         self._write_rng(w, self.step, capture.rng_state())
@@ -438,6 +446,28 @@ class Recorder:
     def on_root_forward(self, module: torch.nn.Module) -> None:
         if all(r() is not module for r in self.roots):
             self.roots.append(weakref.ref(module))
+            if self.tap is not None:
+                self.tap.name_modules(module)
+
+    def _tap_enabled(self) -> bool:
+        return self.active() and self.step in self.config.module_fingerprints
+
+    def _emit_module(self, name: str, kind: str, fp: int, nonfinite: bool, algo: str) -> None:
+        w = self._ensure_started()
+        w.event(
+            {
+                "type": schema.EV_MODULE_FP,
+                "step": self.step,
+                "micro": self.micro,
+                "idx": self.module_idx,
+                "name": name,
+                "kind": kind,
+                "fp": fp,
+                "algo": algo,
+                "nonfinite": nonfinite,
+            }
+        )
+        self.module_idx += 1
 
     # -- signals ------------------------------------------------------------------------------
     def install_sigterm(self) -> None:

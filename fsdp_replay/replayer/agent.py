@@ -93,6 +93,14 @@ class Replayer:
         self.hooks: Hooks | None = None
         self.on_step_zero_done: Any = None  # set by Hooks: drops the module hooks after step 0
         self._threads_checked = False
+        self.module_idx = 0
+        self.module_diverged = False
+        self.tap: Any = None
+        if any(step >= self.restore_step for step in self.rec.modules):
+            from fsdp_replay.agent.modules import ModuleTap
+
+            self.tap = ModuleTap(self._check_module, self._tap_enabled, self.fail)
+            self.tap.install()
 
     # -- the owner interface the hooks expect -----------------------------------------------
     def active(self) -> bool:
@@ -111,7 +119,43 @@ class Replayer:
         return self.step >= self.restore_step
 
     def on_root_forward(self, module: torch.nn.Module) -> None:
-        pass
+        if self.tap is not None:
+            self.tap.name_modules(module)
+
+    def _tap_enabled(self) -> bool:
+        return (
+            self.active() and self.verifying() and not self.module_diverged and self.step in self.rec.modules
+        )
+
+    def _check_module(self, name: str, kind: str, fp: int, nonfinite: bool, algo: str) -> None:
+        expected = self.rec.modules[self.step]
+        idx = self.module_idx
+        self.module_idx += 1
+        if idx >= len(expected):
+            return
+        micro, ename, ekind, efp, _ealgo = expected[idx]
+        if (ename, ekind) != (name, kind) or efp != fp:
+            self.module_diverged = True
+            same_place = (ename, ekind) == (name, kind)
+            direction = "output" if kind == "fwd" else "output gradient"
+            self.diverge(
+                Divergence(
+                    kind="module",
+                    rank=self.rank,
+                    step=self.step,
+                    micro=self.micro,
+                    tensor=f"{name} ({direction})",
+                    expected_fp=efp if same_place else None,
+                    actual_fp=fp if same_place else None,
+                    detail=(
+                        f"the earliest module whose {direction} differs: {name}"
+                        if same_place
+                        else f"module call #{idx} is {name} ({kind}); recorded {ename} ({ekind}): the program took "
+                        "another path"
+                    ),
+                    modules=[name],
+                )
+            )
 
     # -- start -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -369,6 +413,7 @@ class Replayer:
         self.step += 1
         self.micro = 0
         self.step_colls = 0
+        self.module_idx = 0
         if self.verifying() and self.step > self.restore_step:
             self._check_rng(self.step)
         if self.step == self.restore_step and self.restore_step > 0:

@@ -303,7 +303,7 @@ def _nonfinite_steps(r: RankTrace) -> set[int]:
     return {int(s) for s in steps}
 
 
-def _describe(ev: dict[str, Any]) -> str:
+def describe_nonfinite(ev: dict[str, Any]) -> str:
     kind = ev["kind"]
     where = f"step {ev['step']}" + (f" micro-batch {ev['micro']}" if ev.get("micro") is not None else "")
     if kind == "loss":
@@ -357,7 +357,7 @@ def nonfinite_origin(trace: Trace, ranks: list[int] | None = None) -> dict[str, 
         cause = f"rank {rank0} drew a batch that already held non-finite values"
     else:
         cause = f"rank {rank0}'s optimizer step produced non-finite parameters from finite gradients"
-    msg = f"first non-finite value: rank {rank0}, {_describe(ev0)}"
+    msg = f"first non-finite value: rank {rank0}, {describe_nonfinite(ev0)}"
     if co:
         msg += f" (ranks {co} at the same point)"
     msg += f"; ranks affected at step {step0}: {affected}"

@@ -505,6 +505,7 @@ def _rank_diff(ra: RankTrace, rb: RankTrace, intern: Interner, with_magnitude: b
 
     cands = [e for e in [colls["first"], batches["first"], *steps["firsts"]] if e is not None]
     first = min(cands, key=lambda e: _key(e, colls["first_input_rel"], n_in_micro)) if cands else None
+    order = None if first is None else _key(first, colls["first_input_rel"], n_in_micro)
     first_coll = colls["first"]
     for ev in {id(e): e for e in [first, first_coll] if e is not None}.values():
         if with_magnitude:
@@ -518,12 +519,14 @@ def _rank_diff(ra: RankTrace, rb: RankTrace, intern: Interner, with_magnitude: b
         e.pop("rel", None)
     nc, ns = colls["compared"], steps["compared"]
     longer = []
-    for what, key in (("collectives", colls), ("steps", steps)):
-        da, db = key["a_total"] - key["compared"], key["b_total"] - key["compared"]
-        if da:
-            longer.append(f"A has {da} more {what}")
-        if db:
-            longer.append(f"B has {db} more {what}")
+    for side in ("a", "b"):
+        more = [
+            f"{d[side + '_total'] - d['compared']} more {what}"
+            for what, d in (("collectives", colls), ("steps", steps))
+            if d[side + "_total"] > d["compared"]
+        ]
+        if more:
+            longer.append(f"{side.upper()} has " + " and ".join(more))
     if first is None:
         message = f"identical over {nc} collectives and {ns} steps"
     else:
@@ -543,6 +546,7 @@ def _rank_diff(ra: RankTrace, rb: RankTrace, intern: Interner, with_magnitude: b
         "same_length": not longer,
         "drift": steps["drift"],
         "message": message,
+        "_order": order,
     }
 
 
@@ -612,21 +616,20 @@ def diff_traces(
     if a.world_size != b.world_size:
         notes.append(f"world sizes differ: {a.world_size} vs {b.world_size}")
     diverged = [pr for pr in per_rank if pr["first"] is not None]
+    order = {pr["rank"]: pr.pop("_order") for pr in per_rank}
     first = None
     if diverged:
-
-        def k(pr: dict[str, Any]) -> tuple[Any, ...]:
-            ev = pr["first"]
-            return (ev["step"], AFTER_ALL_MICRO if ev.get("micro") is None else ev["micro"], pr["rank"])
-
-        best = min(diverged, key=k)
+        best = min(diverged, key=lambda pr: (order[pr["rank"]], pr["rank"]))
         first = {"rank": best["rank"], **best["first"]}
         message = f"rank {best['rank']} diverged first: {describe(best['first'])}"
         others = [pr["rank"] for pr in diverged if pr is not best]
         if others:
             message += f"; also diverged: ranks {others}"
     elif per_rank:
-        message = "identical: " + "; ".join(f"rank {pr['rank']}: {pr['message']}" for pr in per_rank)
+        message = f"identical: no divergence on ranks {chosen}"
+        short = [pr["rank"] for pr in per_rank if not pr["same_length"]]
+        if short:
+            message += f" (over the events both hold: the traces differ in length on ranks {short})"
     else:
         message = "no rank in common"
     return {

@@ -163,6 +163,23 @@ class RankRecord:
                     ],
                 }
             )
+        self.modules: dict[int, list[tuple[int, str, str, int, str]]] = collections.defaultdict(list)
+        try:
+            mt = rt.table("module_fps")
+            mod_names = rt.names("module")
+            kinds = ("fwd", "bwd")
+            for i in np.argsort(mt["idx"], kind="stable").tolist() if len(mt) else []:
+                self.modules[int(mt["step"][i])].append(
+                    (
+                        int(mt["micro"][i]),
+                        mod_names[int(mt["name"][i])],
+                        kinds[int(mt["kind"][i])],
+                        int(mt["fp"][i]),
+                        names["algo"][int(mt["algo"][i])],
+                    )
+                )
+        except TraceFormatError:
+            pass  # a trace written before module fingerprints existed
         self._cache: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self._cache_bytes = 0
 

@@ -22,6 +22,7 @@ KIND_TEXT = {
     "ended_early": "the program ended before the recorded rank did",
     "payload_missing": "a payload the replay needs is not in the trace",
     "batch": "a batch differs and its recorded bytes are not stored",
+    "module": "a module's output differs",
 }
 
 
@@ -118,6 +119,17 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"    {d['detail']}")
         if d.get("modules"):
             lines.append(f"    parameters feeding this collective: {', '.join(d['modules'][:12])}")
+        module = next((x for x in report.get("divergences", []) if x["kind"] == "module"), None)
+        if module:
+            lines.append(
+                f"  earliest module that differs: {module['tensor']} at step {module['step']} micro-step "
+                f"{module['micro']}"
+            )
+        elif d.get("kind") not in ("payload_missing", "ended_early"):
+            lines.append(
+                f"  to name the module where it starts: record again with --module-fingerprints "
+                f"steps:{d['step']}"
+            )
         later = [x for x in report.get("divergences", [])[1:] if x.get("seq") is not None]
         if later and d.get("seq") is None:
             x = later[0]

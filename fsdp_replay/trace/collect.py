@@ -90,7 +90,18 @@ TABLES: dict[str, dict[str, str]] = {
     "shapes": {"dim": "int64"},
     "rng": {"step": "int64", "payload": "int64", "python": "int64", "torch": "int64", "numpy": "int64"},
     "payloads": {"digest_hi": "uint64", "digest_lo": "uint64", "nbytes": "int64"},
+    "module_fps": {
+        "step": "int64",
+        "micro": "int32",
+        "idx": "int64",
+        "name": "int32",
+        "kind": "uint8",
+        "fp": "uint64",
+        "algo": "int16",
+        "nonfinite": "bool",
+    },
 }
+MODULE_KIND_CODES = {"fwd": 0, "bwd": 1}
 ROLE_CODES = {"i": 0, "o": 1, "": 2}
 
 
@@ -153,7 +164,7 @@ class _RankBuilder:
         self.rank = rank
         self.report = report
         self.cols: dict[str, dict[str, list[Any]]] = {t: {c: [] for c in cs} for t, cs in TABLES.items()}
-        self.names = {k: Names() for k in ("op", "dtype", "reduce_op", "algo", "device")}
+        self.names = {k: Names() for k in ("op", "dtype", "reduce_op", "algo", "device", "module")}
         self.attrs: dict[str, Any] = {
             "rank_start": None,
             "process_groups": [],
@@ -353,6 +364,21 @@ class _RankBuilder:
                 "params": ev["params"],
             }
         )
+
+    def _ev_mod(self, ev: dict[str, Any]) -> None:
+        m = self.cols["module_fps"]
+        values = {
+            "step": ev["step"],
+            "micro": ev["micro"],
+            "idx": ev["idx"],
+            "name": self.names["module"].code(ev["name"]),
+            "kind": MODULE_KIND_CODES[ev["kind"]],
+            "fp": int(ev["fp"]),
+            "algo": self.names["algo"].code(ev["algo"]),
+            "nonfinite": bool(ev["nonfinite"]),
+        }
+        for k, v in values.items():
+            m[k].append(v)
 
     def _ev_modules(self, ev: dict[str, Any]) -> None:
         self.attrs["modules"] = ev["modules"]

@@ -58,6 +58,7 @@ EV_STEP: Final = "step"
 EV_RNG: Final = "rng"
 EV_SNAPSHOT: Final = "snapshot"
 EV_MODULES: Final = "modules"
+EV_MODULE_FP: Final = "mod"
 EV_AGENT_ERROR: Final = "agent_error"
 EV_DROP: Final = "drop"
 EV_END: Final = "end"
@@ -95,6 +96,7 @@ EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
     EV_RNG: frozenset({"type", "step", "states"}),
     EV_SNAPSHOT: frozenset({"type", "step", "blob", "nbytes", "params"}),
     EV_MODULES: frozenset({"type", "modules"}),
+    EV_MODULE_FP: frozenset({"type", "step", "micro", "idx", "name", "kind", "fp", "algo", "nonfinite"}),
     EV_AGENT_ERROR: frozenset({"type", "where", "message", "traceback"}),
     EV_DROP: frozenset({"type", "what", "count", "nbytes", "reason"}),
     EV_END: frozenset({"type", "reason", "steps", "colls", "t_ns", "counters"}),

@@ -1,0 +1,243 @@
+"""``fsdp-replay nan | desync | diff``: post-mortem analysis subcommands.
+
+``register(subparsers)`` adds them to the main parser. Exit codes: 0 nothing found (finite,
+consistent, identical), 1 found (a non-finite value, ranks that disagree, a divergence), 3
+unusable input (the reader's errors propagate to ``fsdp_replay.cli.main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FOUND = 1
+
+
+def _jsonable(x: Any) -> Any:
+    """Strict JSON: non-finite floats become the strings "NaN", "Infinity", "-Infinity"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _dump(obj: Any) -> None:
+    json.dump(_jsonable(obj), sys.stdout, indent=2, allow_nan=False, default=str)
+    print()
+
+
+def _open(path: str) -> Any:
+    from fsdp_replay.cli import resolve_trace
+    from fsdp_replay.trace.reader import Trace
+
+    return Trace.open(resolve_trace(path))
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _e(x: Any) -> str:
+    from rich.markup import escape
+
+    return escape(str(x))
+
+
+def _dash(x: Any) -> str:
+    return "-" if x is None else _e(x)
+
+
+# -- nan ---------------------------------------------------------------------------------------
+def cmd_nan(args: argparse.Namespace) -> int:
+    from fsdp_replay.replayer.analysis import nonfinite_origin
+
+    trace = _open(args.trace)
+    origin = nonfinite_origin(trace)
+    if args.json:
+        _dump({"trace": trace.url, "found": origin is not None, "origin": origin})
+        return EXIT_FOUND if origin else EXIT_OK
+    con = _console()
+    if origin is None:
+        con.print(f"[green]no non-finite value[/green] in {_e(trace.url)} (ranks {_e(trace.ranks)})")
+        return EXIT_OK
+    from fsdp_replay.replayer.analysis import describe_nonfinite
+
+    con.print(f"[bold red]{_e(origin['message'])}[/bold red]")
+    con.print(f"cause: {_e(origin['cause'])}")
+    con.print("first non-finite event per rank:")
+    for row in origin["per_rank"]:
+        ev = row["event"]
+        text = "[green]stayed finite[/green]" if ev is None else _e(describe_nonfinite(ev))
+        con.print(f"  rank {row['rank']}: {text}")
+    return EXIT_FOUND
+
+
+# -- desync ------------------------------------------------------------------------------------
+def _entry(e: dict[str, Any] | None) -> str:
+    if e is None:
+        return "-"
+    return f"{e['op']} pg {e['pg']} (step {e['step']}, seq {e['seq']})"
+
+
+def cmd_desync(args: argparse.Namespace) -> int:
+    from fsdp_replay.replayer.analysis import desync_report
+
+    trace = _open(args.trace)
+    rep = desync_report(trace)
+    if args.json:
+        _dump(rep)
+        return EXIT_OK if rep["consistent"] else EXIT_FOUND
+    from rich.table import Table
+
+    con = _console()
+    style = "green" if rep["consistent"] else "bold red"
+    con.print(f"[{style}]{_e(rep['message'])}[/{style}]")
+    t = Table(title="where each rank stopped")
+    for col in ("rank", "steps done", "end", "collectives", "last completed", "in flight"):
+        t.add_column(col)
+    for pr in rep["ranks"]:
+        end = pr["end"] or "[red]none (killed?)[/red]"
+        t.add_row(
+            str(pr["rank"]),
+            str(pr["steps_done"]),
+            end if pr["end"] is None else _e(end),
+            str(pr["collectives"]),
+            _e(_entry(pr["last_completed"])),
+            _e(_entry(pr["in_flight"])),
+        )
+    con.print(t)
+    if rep["missing_ranks"]:
+        con.print(f"[red]ranks without any data: {_e(rep['missing_ranks'])}[/red]")
+    others = [g for g in rep["groups"] if g["mismatch"] and g["mismatch"] is not rep["first_mismatch"]]
+    for g in others:
+        con.print(f"also: {_e(g['mismatch']['message'])}")
+    return EXIT_OK if rep["consistent"] else EXIT_FOUND
+
+
+# -- diff --------------------------------------------------------------------------------------
+def _mag(ev: dict[str, Any] | None) -> str:
+    if ev is None:
+        return ""
+    m = ev.get("magnitude")
+    if m is None:
+        return ev.get("magnitude_note", "") or ""
+    if "abs_diff" in m:
+        return f"|diff| {m['abs_diff']:.3g}"
+    if m.get("n_differing") is None:
+        return m.get("note", "")
+    out = f"{m['n_differing']}/{m['numel']} differ"
+    if m.get("max_abs_diff") is not None:
+        out += f", max abs {m['max_abs_diff']:.3g}, max rel {m['max_rel_diff']:.3g}"
+    if m.get("first_index") is not None:
+        out += f", first at [{m['first_index']}]"
+    return out
+
+
+def _event_lines(ev: dict[str, Any]) -> list[str]:
+    where = f"step {ev['step']}" + (f" micro {ev['micro']}" if ev.get("micro") is not None else "")
+    kind = ev["kind"]
+    if kind == "loss":
+        return [f"{where}: loss {ev['loss_a']!r} vs {ev['loss_b']!r} ({_mag(ev)})"]
+    if kind == "parameters after step":
+        name = f" ({ev['param_name']})" if ev.get("param_name") else ""
+        return [
+            f"after step {ev['step']}: {ev['params_differing']} parameter shards differ, "
+            f"first #{ev['tensor_index']}{name}: fp {ev['fp_a']} vs {ev['fp_b']}"
+        ]
+    if kind.startswith("batch"):
+        return [f"{where}: batch {ev.get('batch_index')} differs ({kind})"]
+    if "a" in ev and "b" in ev and isinstance(ev["a"], dict):
+        return [f"{where}, seq {ev['seq']}: {kind}", f"  A: {ev['a']}", f"  B: {ev['b']}"]
+    lines = [
+        f"{where}, seq {ev['seq']}: {ev['op']} (pg {ev['pg']}) {ev['role']} {ev['tensor_index']} "
+        f"{ev.get('dtype')}{ev.get('shape')}",
+        f"  fp {ev['fp_a']} vs {ev['fp_b']}" + (f"; {_mag(ev)}" if _mag(ev) else ""),
+    ]
+    return lines
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from fsdp_replay.replayer.diff import diff_traces, plot_drift
+
+    a, b = _open(args.trace_a), _open(args.trace_b)
+    res = diff_traces(a, b, [args.rank] if args.rank is not None else None)
+    if args.plot:
+        plot_drift(res, args.plot)
+    code = EXIT_FOUND if res["diverged"] else EXIT_OK
+    if args.json:
+        _dump(res)
+        return code
+    con = _console()
+    con.print(f"A = {_e(a.url)}\nB = {_e(b.url)}")
+    style = "bold red" if res["diverged"] else "green"
+    con.print(f"[{style}]{_e(res['message'])}[/{style}]")
+    for note in res["notes"]:
+        con.print(f"[yellow]note: {_e(note)}[/yellow]")
+    for side, missing in res["missing_ranks"].items():
+        if missing:
+            con.print(f"[yellow]ranks {_e(missing)} are missing from trace {side.upper()}[/yellow]")
+    for pr in res["ranks"]:
+        ev = pr["first"]
+        if ev is None:
+            con.print(f"rank {pr['rank']}: [green]{_e(pr['message'])}[/green]")
+            continue
+        lines = _event_lines(ev)
+        con.print(f"rank {pr['rank']}: [red]diverged[/red] at {_e(lines[0])}")
+        for line in lines[1:]:
+            con.print(f"        {_e(line)}")
+        fc = pr.get("first_collective")
+        if fc is not None and fc != ev:
+            fl = _event_lines(fc)
+            con.print(f"        first divergent collective: {_e(fl[0])}")
+            for line in fl[1:]:
+                con.print(f"        {_e(line)}")
+        if not pr["same_length"]:
+            con.print(f"        {_e(pr['message'][pr['message'].rfind('(') :])}")
+    if args.plot:
+        con.print(f"drift plot written to {_e(args.plot)}")
+    return code
+
+
+def register(subparsers: Any) -> None:
+    """Add ``nan``, ``desync`` and ``diff`` to the CLI's subparsers."""
+    n = subparsers.add_parser(
+        "nan",
+        help="find the first step, rank and collective where a NaN/Inf appeared",
+        description="From the trace alone: the first (step, rank, collective) with a non-finite value. "
+        "Exit code 1 when one was found, 0 when everything stayed finite.",
+    )
+    n.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
+    n.add_argument("--json", action="store_true", help="machine-readable output")
+    n.set_defaults(func=cmd_nan)
+
+    d = subparsers.add_parser(
+        "desync",
+        help="for a hang: where each rank stopped, and the collective at which ranks disagree",
+        description="Compare the ranks' collective sequences per process group. "
+        "Exit code 1 when ranks disagree, 0 when they agree.",
+    )
+    d.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.set_defaults(func=cmd_desync)
+
+    f = subparsers.add_parser(
+        "diff",
+        help="the first divergence between two traces of the same job (two runs, or a run and its replay)",
+        description="Per rank, the first collective, loss, parameter or batch fingerprint that differs. "
+        "Exit code 1 when a divergence was found, 0 when identical.",
+    )
+    f.add_argument("trace_a", metavar="TRACE_A", help="a trace (or run folder)")
+    f.add_argument("trace_b", metavar="TRACE_B", help="a trace (or run folder)")
+    f.add_argument("--rank", type=int, default=None, help="only this rank")
+    f.add_argument("--plot", metavar="PNG", default=None, help="draw the per-step drift into this PNG")
+    f.add_argument("--json", action="store_true", help="machine-readable output")
+    f.set_defaults(func=cmd_diff)
