@@ -156,7 +156,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from fsdp_replay.agent.config import AgentConfig
     from fsdp_replay.launch import agent_env, run_command
     from fsdp_replay.replayer import launch
-    from fsdp_replay.replayer.report import plot, render_text
 
     trace_url = resolve_trace(args.trace)
     trace, meta = launch.open_rank(trace_url, args.rank)
@@ -166,7 +165,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         launch.check_script(meta, command, cwd)
         launch.check_torch(meta)
     world = int(meta.get("world_size") or trace.world_size or 1)
-    out = Path(args.report) if args.report else launch.report_dir(trace_url, args.rank, args.from_step)
+    who = "all ranks" if args.all_ranks else f"rank {args.rank}"
+    out = Path(args.report) if args.report else launch.report_dir(trace_url, who, args.from_step)
     out.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(
         mode="replay",
@@ -175,37 +175,83 @@ def cmd_replay(args: argparse.Namespace) -> int:
         from_step=args.from_step,
         to_step=args.to_step,
         report=str(out.absolute()),
+        live=args.all_ranks,
     )
     env = launch.replay_env(meta, args.rank, world, args.device)
+    if args.all_ranks:
+        if override:
+            raise ConfigError(
+                "--all-ranks runs the recorded command under torchrun; it takes no command after --"
+            )
+        command = launch.all_ranks_command(command, world)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
     if args.force:
         env["FSDP_REPLAY_FORCE"] = "1"
     env = agent_env(out, config.to_env(), env)
     print(
-        f"fsdp-replay: replaying rank {args.rank} of {world} from step {args.from_step}: {' '.join(command)}",
+        f"fsdp-replay: replaying {who} of {world} from step {args.from_step}: {' '.join(command)}",
         file=sys.stderr,
     )
     code, _info = run_command(command, env, cwd=cwd)
-    report_path = out / "report.json"
+    if args.all_ranks:
+        return _finish_all_ranks(out, world, code)
+    return _finish_report(out, out / "report.json", code)
+
+
+def _finish_report(out: Path, report_path: Path, code: int) -> int:
+    from fsdp_replay.replayer.report import plot, render_text
+
     if not report_path.is_file():
         print(
             f"fsdp-replay: the replayed program exited with code {code} before the replay could report "
-            f"(see its output above)",
+            "(see its output above)",
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
     report = json.loads(report_path.read_text())
     report["program_exit_code"] = code
     text = render_text(report)
-    (out / "report.txt").write_text(text)
-    plotted = plot(report, out / "replay.png")
+    (report_path.parent / "report.txt").write_text(text)
+    plotted = plot(report, report_path.parent / "replay.png")
     print(text, end="")
-    print(f"report: {out}" + (" (report.json, report.txt, replay.png)" if plotted else ""), file=sys.stderr)
-    status = report.get("status")
-    if status == "bit-exact":
-        return EXIT_OK
-    if status == "diverged":
-        return EXIT_DIVERGED
-    return EXIT_BAD_INPUT
+    print(
+        f"report: {report_path.parent}" + (" (report.json, report.txt, replay.png)" if plotted else ""),
+        file=sys.stderr,
+    )
+    return {"bit-exact": EXIT_OK, "diverged": EXIT_DIVERGED}.get(str(report.get("status")), EXIT_BAD_INPUT)
+
+
+def _finish_all_ranks(out: Path, world: int, code: int) -> int:
+    from fsdp_replay.replayer.report import merge_reports
+
+    reports = []
+    for rank in range(world):
+        path = out / f"rank-{rank:05d}" / "report.json"
+        if path.is_file():
+            reports.append(json.loads(path.read_text()))
+        else:
+            print(
+                f"fsdp-replay: rank {rank} wrote no report (the run exited with code {code})", file=sys.stderr
+            )
+    merged = merge_reports(reports, world)
+    (out / "report.json").write_text(json.dumps(merged, indent=2, default=str) + "\n")
+    results = [
+        _finish_report(out / f"rank-{r['rank']:05d}", out / f"rank-{r['rank']:05d}" / "report.json", code)
+        for r in reports
+    ]
+    print(
+        f"all ranks: {merged['status'].upper()}"
+        + (
+            f"; first divergence on rank {merged['first_divergence']['rank']}"
+            f" at step {merged['first_divergence']['step']}"
+            if merged.get("first_divergence")
+            else ""
+        )
+    )
+    if len(reports) < world:
+        return EXIT_BAD_INPUT
+    return max(results) if results else EXIT_BAD_INPUT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -303,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--report",
         default=_env_default("report", None),
         help="report folder (default: replays/rank-R-... beside the trace)",
+    )
+    rp.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help="run every rank again under torchrun with live collectives, comparing every fingerprint with the "
+        "record (for traces recorded without payloads)",
     )
     rp.add_argument("--force", action="store_true", help="replay even if the script or torch version differ")
     rp.set_defaults(func=cmd_replay)

@@ -89,6 +89,10 @@ def attach(config: Any) -> Any:
             _state.update(agent=agent, hooks=hooks)
             return agent
         if config.mode == "replay":
+            import os
+
+            if config.live and "RANK" not in os.environ:
+                return None  # torchrun's launcher in an all-rank replay: only its workers replay
             from fsdp_replay.replayer.agent import attach_replay
 
             agent = attach_replay(config)

@@ -121,6 +121,8 @@ class AgentConfig:
     """Stop after this step (-1: run the program to its end)."""
     report: str = ""
     """Folder for report.json."""
+    live: bool = False
+    """All-rank replay: collectives run for real (torchrun) and are compared with the record."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -154,6 +156,7 @@ class AgentConfig:
             from_step=_int(env, "FROM_STEP", 0),
             to_step=_int(env, "TO_STEP", -1, minimum=-1),
             report=env.get(ENV_PREFIX + "REPORT", ""),
+            live=_bool(env, "LIVE", False),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -166,6 +169,7 @@ class AgentConfig:
                 ENV_PREFIX + "FROM_STEP": str(self.from_step),
                 ENV_PREFIX + "TO_STEP": str(self.to_step),
                 ENV_PREFIX + "REPORT": self.report,
+                ENV_PREFIX + "LIVE": "1" if self.live else "0",
             }
         return {
             ENV_PREFIX + "MODE": self.mode,

@@ -66,9 +66,11 @@ class Replayer:
         self.config = config
         self.pid = os.getpid()
         self.t0 = time.monotonic()
+        self.live = config.live
+        # All-rank replay runs under torchrun: each process replays the rank torchrun gave it.
+        self.rank = int(os.environ.get("RANK", config.rank)) if self.live else config.rank
         self.trace = Trace.open(config.trace)
-        self.rec = RankRecord(self.trace, config.rank)
-        self.rank = config.rank
+        self.rec = RankRecord(self.trace, self.rank)
         self.world = self.rec.world_size
         self.from_step = config.from_step
         self.to_step = config.to_step
@@ -133,7 +135,7 @@ class Replayer:
         self.module_idx += 1
         if idx >= len(expected):
             return
-        micro, ename, ekind, efp, _ealgo = expected[idx]
+        _micro, ename, ekind, efp, _ealgo = expected[idx]
         if (ename, ekind) != (name, kind) or efp != fp:
             self.module_diverged = True
             same_place = (ename, ekind) == (name, kind)
@@ -166,7 +168,8 @@ class Replayer:
                 f"{torch.__version__} (kernels differ between versions; pass --force to replay anyway)"
             )
         self._restore_rng(-1, "process start")
-        self._patch_init()
+        if not self.live:
+            self._patch_init()
 
     def refuse(self, why: str) -> None:
         sys.stderr.write(f"fsdp-replay: refusing to replay: {why}\n")
@@ -257,7 +260,11 @@ class Replayer:
         wait_result(result, call)
         if verify:
             self._check_call(call, exp, seq, call.outputs, exp.role("o"), "output")
-        self._fill_outputs(call, exp, verify)
+        if self.live:
+            if verify:
+                self._check_outputs(call, exp, seq)
+        else:
+            self._fill_outputs(call, exp, verify)
         self.step_colls += 1
         if verify:
             self.verified_colls += 1
@@ -368,6 +375,31 @@ class Replayer:
             self.notes.append(f"could not compute the divergence magnitude: {e!r}")
         return None
 
+    def _check_outputs(self, call: CollectiveCall, exp: ExpectedColl, seq: int) -> None:
+        """All-rank replay: the live result must equal the recorded one."""
+        for i, (t, e) in enumerate(zip(call.outputs, exp.role("o"), strict=False)):
+            t = capture.local(t)
+            fp = _value(fingerprint(t, e.algo)[0])
+            if fp != e.fp:
+                mag = magnitude(self.rec.tensor(e), t) if e.payload >= 0 else None
+                self.diverge(
+                    Divergence(
+                        kind="collective_output",
+                        rank=self.rank,
+                        step=self.step,
+                        micro=self.micro,
+                        seq=seq,
+                        op=exp.op,
+                        pg=exp.pg,
+                        tensor=f"output {i}",
+                        expected_fp=e.fp,
+                        actual_fp=fp,
+                        magnitude=mag,
+                    ),
+                    feeding=True,
+                )
+                return
+
     def _fill_outputs(self, call: CollectiveCall, exp: ExpectedColl, verify: bool) -> None:
         for t, e in zip(call.outputs, exp.role("o"), strict=False):
             dst = capture.local(t)
@@ -418,7 +450,7 @@ class Replayer:
             self._check_rng(self.step)
         if self.step == self.restore_step and self.restore_step > 0:
             self._restore(opt)
-        if self.divergences:
+        if self.divergences and not self.live:
             self.finish("diverged", EXIT_DIVERGED)
         self._progress(done)
         if self.to_step >= 0 and done >= self.to_step:
@@ -631,7 +663,8 @@ class Replayer:
         if feeding:
             d.modules = feeding_modules()
         self.divergences.append(d)
-        if stop:
+        # A live rank must not leave: its peers would wait for it in the next collective.
+        if stop and (not self.live or unusable):
             self.finish("unusable" if unusable else "diverged", EXIT_BAD_INPUT if unusable else EXIT_DIVERGED)
 
     def _progress(self, step: int) -> None:
@@ -649,6 +682,7 @@ class Replayer:
             "status": status,
             "reason": reason,
             "rank": self.rank,
+            "live": self.live,
             "world_size": self.world,
             "trace": self.trace.url,
             "from_step": self.from_step,
@@ -684,6 +718,8 @@ class Replayer:
             reason = reason or "the program ended"
             status, code = self._final_status(check_complete=at_exit)
         out = Path(self.config.report)
+        if self.live:
+            out = out / f"rank-{self.rank:05d}"
         out.mkdir(parents=True, exist_ok=True)
         doc = self.report(status, reason or status)
         tmp = out / "report.json.tmp"

@@ -655,9 +655,10 @@ def plot_drift(result: dict[str, Any], path_png: str) -> str:
     for pr in result.get("ranks", []):
         d = pr["drift"]
         steps = d["step"]
-        ax1.plot(steps, d["params_differing"], marker=".", label=f"rank {pr['rank']}")
+        marker = "." if len(steps) <= 200 else None
+        ax1.plot(steps, d["params_differing"], marker=marker, label=f"rank {pr['rank']}")
         loss = [x if (x is not None and math.isfinite(x)) else float("nan") for x in d["loss_abs_diff"]]
-        ax2.plot(steps, loss, marker=".", label=f"rank {pr['rank']}")
+        ax2.plot(steps, loss, marker=marker, label=f"rank {pr['rank']}")
         first = pr.get("first")
         if first is not None:
             for ax in (ax1, ax2):
@@ -671,6 +672,7 @@ def plot_drift(result: dict[str, Any], path_png: str) -> str:
         for x in pr["drift"]["loss_abs_diff"]
     ):
         ax2.set_yscale("symlog", linthresh=1e-9)
+        ax2.set_ylim(bottom=0)
     for ax in (ax1, ax2):
         ax.grid(True, alpha=0.3)
         if result.get("ranks"):

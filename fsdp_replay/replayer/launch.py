@@ -113,9 +113,25 @@ def replay_env(meta: dict[str, Any], rank: int, world: int, device: str | None) 
     return env
 
 
-def report_dir(trace_url: str, rank: int, from_step: int) -> Path:
+def report_dir(trace_url: str, who: str, from_step: int) -> Path:
     base = Path(trace_url).parent if "://" not in trace_url else Path.cwd()
-    return base / "replays" / f"rank-{rank:05d}-from-{from_step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return base / "replays" / f"{who.replace(' ', '-')}-from-{from_step}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def all_ranks_command(command: list[str], world: int) -> list[str]:
+    """The recorded ``python script args`` as a torchrun of ``world`` local processes."""
+    exe, *rest = command
+    if rest and rest[0] == "-m":
+        return [
+            exe,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={world}",
+            "-m",
+            *rest[1:],
+        ]
+    return [exe, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *rest]
 
 
 def open_rank(trace_url: str, rank: int) -> tuple[Trace, dict[str, Any]]:

@@ -10,6 +10,7 @@ import numpy as np
 
 KIND_TEXT = {
     "collective_input": "a collective's input differs",
+    "collective_output": "a collective's result differs",
     "op": "a different collective was issued",
     "process_group": "a collective ran on a different process group",
     "shape": "a collective's tensors have other dtypes or shapes",
@@ -174,3 +175,21 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def merge_reports(reports: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    """One result for an all-rank replay: the earliest divergence over all ranks."""
+    firsts = [r["first_divergence"] for r in reports if r.get("first_divergence")]
+    firsts.sort(key=lambda d: (d["step"], d["micro"], d["seq"] if d.get("seq") is not None else -1))
+    statuses = {r.get("status") for r in reports}
+    if len(reports) < world or statuses - {"bit-exact", "diverged"}:
+        status = "incomplete"
+    else:
+        status = "diverged" if "diverged" in statuses else "bit-exact"
+    return {
+        "status": status,
+        "world_size": world,
+        "ranks": {r["rank"]: r.get("status") for r in reports},
+        "first_divergence": firsts[0] if firsts else None,
+        "collectives_verified": sum(r.get("collectives_verified", 0) for r in reports),
+    }
