@@ -230,18 +230,34 @@ def run_env() -> dict[str, str]:
 
 
 # -- one run -------------------------------------------------------------------------------------
+NPROC = 2  # set from --nproc in main()
+
+
 def build_command(cfg: Config, run_dir: Path, train_args: list[str]) -> list[str]:
+    # The running interpreter, so the same script works in .venv here and on a GPU machine.
     train = [
-        str(VENV_BIN / "torchrun"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         "--standalone",
         "--nproc_per_node",
-        "2",
+        str(NPROC),
         str(EXAMPLE.relative_to(REPO)),
         *train_args,
     ]
     if cfg.record_args is None:
         return train
-    return [str(VENV_BIN / "fsdp-replay"), "record", "--out", str(run_dir), *cfg.record_args, "--", *train]
+    return [
+        sys.executable,
+        "-m",
+        "fsdp_replay",
+        "record",
+        "--out",
+        str(run_dir),
+        *cfg.record_args,
+        "--",
+        *train,
+    ]
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -538,8 +554,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"- Machine: {m['nproc']} CPUs ({m['cpus_usable']} usable), {m['cpu_model']}; {m['platform']}; "
         f"Python {m['python']}, torch {m['torch']}, fsdp-replay {m['fsdp_replay']}, commit {m['git_commit']}",
         f"- Load average before / after: {doc['loadavg_before']} / {doc['loadavg_after']}",
-        f"- Workload: `torchrun --standalone --nproc_per_node 2 examples/train_fsdp.py {' '.join(p['train_args'])}` "
-        f"(2 CPU ranks, gloo, OMP_NUM_THREADS=1); model: the example's defaults "
+        f"- Workload: `torchrun --standalone --nproc_per_node {NPROC} examples/train_fsdp.py "
+        f"{' '.join(p['train_args'])}` ({NPROC} ranks, OMP_NUM_THREADS=1); model: the example's defaults "
         f"({p['workload_model']})",
         f"- {p['steps']} steps per run, the first {p['warmup_steps']} skipped; {p['reps']} repetitions, "
         f"configurations interleaved round-robin, order rotated every repetition"
@@ -617,6 +633,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="smoke run: 12 steps, 1 repetition (~1-2 min; noisy)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: force CPU/gloo (default); cuda: let the example use the GPU(s) with NCCL",
+    )
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 40; --quick 12)")
     p.add_argument(
         "--reps", type=int, default=None, help="repetitions of every configuration (default 10; --quick 1)"
@@ -661,18 +684,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: unknown configurations {sorted(unknown)}", file=sys.stderr)
         return 2
     configs = [c for c in CONFIGS if c.name in wanted]
-    train_args = ["--cpu", "--steps", str(steps), *shlex.split(args.train_args)]
+    global NPROC
+    NPROC = args.nproc
+    device_args = ["--cpu"] if args.device == "cpu" else []
+    train_args = [*device_args, "--steps", str(steps), *shlex.split(args.train_args)]
     stem = (
         Path(args.results)
         if args.results
         else RESULTS_DIR / ("record_overhead.quick" if args.quick else "record_overhead")
     )
-    for tool in ("torchrun", "fsdp-replay"):
-        if not (VENV_BIN / tool).exists():
-            print(
-                f"bench: {VENV_BIN / tool} not found (run `make test` or create .venv first)", file=sys.stderr
-            )
-            return 2
 
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-record-"))
     work.mkdir(parents=True, exist_ok=True)

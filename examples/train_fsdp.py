@@ -75,6 +75,7 @@ class Config:
     cpu: bool = False
     amp: str = "auto"
     threads: int | None = None
+    deterministic: bool = False
     pg_timeout: float = 1800.0
     save_params: str | None = None
     nan_at_step: int | None = None
@@ -121,6 +122,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
         help="autocast: auto = bf16 on CUDA, float32 on CPU",
     )
     add("--threads", type=int, default=None, help="torch.set_num_threads for each rank")
+    add(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(True) (+ CUBLAS_WORKSPACE_CONFIG): bit-reproducible CUDA kernels",
+    )
     add(
         "--pg-timeout",
         type=float,
@@ -353,6 +359,10 @@ def lr_lambda(cfg: Config) -> Callable[[int], float]:
 def train(cfg: Config) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     rank, world, device, metrics_group = init_distributed(cfg)
     use_bf16 = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
 

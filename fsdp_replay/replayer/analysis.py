@@ -205,8 +205,7 @@ def _first_nonfinite(r: RankTrace, pgn: dict[int, str]) -> tuple[tuple[float, ..
     co = issue_order(r)
     t = r.tensors
     coll_ev: dict[str, Any] | None = None
-    input_rel: dict[tuple[int, int], float] = {}  # (step, micro) -> rel of first flagged input
-    run_len: dict[tuple[int, int], int] = {}
+    in_pos = np.zeros(0, dtype=np.int64)  # positions of collectives with a flagged input
     if len(co) and len(t):
         nf = np.flatnonzero(t["nonfinite"])
         if nf.size:
@@ -233,10 +232,7 @@ def _first_nonfinite(r: RankTrace, pgn: dict[int, str]) -> tuple[tuple[float, ..
                 "shape": _fmt_shape(r, t["shape_start"][trow], t["ndim"][trow]),
             }
             cands.append(((s, m, float(co.rel[p]), _KIND_ORDER[coll_ev["kind"]]), coll_ev))
-            ins = role == ROLE_INPUT
-            for pp in np.unique(pos[ins]).tolist():
-                k = (int(co.step[pp]), int(co.micro[pp]))
-                input_rel.setdefault(k, float(co.rel[pp]))
+            in_pos = pos[role == ROLE_INPUT]
     # losses: loss k of a step belongs to micro-batch k
     st = r.steps
     if len(st):
@@ -247,12 +243,13 @@ def _first_nonfinite(r: RankTrace, pgn: dict[int, str]) -> tuple[tuple[float, ..
             starts, counts = st["loss_start"], st["loss_count"]
             srow = int(np.flatnonzero((starts <= li) & (li < starts + counts))[0])
             s, m = int(st["step"][srow]), li - int(starts[srow])
-            if (s, m) in input_rel:
-                rel = input_rel[(s, m)] - 0.5
+            # just before the first collective of that micro-batch with a flagged input, or
+            # after all of its collectives
+            here = in_pos[(co.step[in_pos] == s) & (co.micro[in_pos] == m)]
+            if here.size:
+                rel = float(co.rel[int(here.min())]) - 0.5
             else:
-                in_run = (co.step == s) & (co.micro == m)
-                run_len[(s, m)] = int(in_run.sum())
-                rel = float(run_len[(s, m)])
+                rel = float(((co.step == s) & (co.micro == m)).sum())
             ev = {"kind": "loss", "step": s, "micro": m, "seq": None, "op": None, "pg": None, "pg_id": None}
             ev.update({"role": None, "tensor_index": None, "value": float(values[li])})
             cands.append(((s, m, rel, 0), ev))
@@ -323,8 +320,9 @@ def nonfinite_origin(trace: Trace, ranks: list[int] | None = None) -> dict[str, 
 
     Keys: ``rank``, ``step``, ``micro``, ``kind`` ("loss", "collective input", "collective
     output", "parameters after step", "batch"), ``seq``, ``op``, ``pg`` (the group's name, the
-    same on every rank), ``pg_id`` (the rank's id for it), ``role``, ``tensor_index`` (among the collective's inputs or outputs, the
-    parameter index, or the batch tensor index), ``dtype``/``shape`` (collectives), ``value``
+    same on every rank), ``pg_id`` (the rank's id for it), ``role``, ``tensor_index`` (among the
+    collective's inputs or outputs, the parameter index, or the batch tensor index),
+    ``dtype``/``shape`` (collectives), ``value``
     (losses), ``param_name``, ``co_origins`` (ranks whose first event is equally early),
     ``ranks_affected`` (ranks with any non-finite value at that step), ``cause`` and ``message``
     (one line each), and ``per_rank``: ``[{"rank", "event"}]`` with each rank's first event
@@ -595,7 +593,10 @@ def _group_mismatch(
                 moved.append(f"rank {rk} issued no collective at all")
             else:
                 verb = "is stuck in" if f.get("in_flight") else "last completed"
-                moved.append(f"rank {rk} {verb} {f['op']} on pg {f['pg']} (step {f['step']}, seq {f['seq']})")
+                text = f"rank {rk} {verb} {f['op']} on pg {f['pg']} (step {f['step']}, seq {f['seq']})"
+                if ctxs[rk].r.attrs.get("end") is None:
+                    text += " and was killed before closing its trace, so what it was waiting in is unknown"
+                moved.append(text)
         message = (
             f"pg {name} (ranks {want}) position {p}: {_plural(issued)} issued {_entry_text(e0)}, "
             f"{_plural(never)} never did; " + "; ".join(moved)
@@ -658,7 +659,7 @@ def desync_report(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any
             if pg_id == -1 and not sel.size:
                 continue
             sels.setdefault(name, {})[rk] = sel
-    per_rank = [
+    per_rank: list[dict[str, Any]] = [
         {
             "rank": rk,
             "steps_done": rank_steps_done(ctx.r),
