@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = REPO / ".venv" / "bin"
 EXAMPLE = REPO / "examples" / "train_fsdp.py"
 RESULTS_DIR = REPO / "bench" / "results"
 
@@ -335,7 +334,7 @@ def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[list[int], list
     """Check the run's trace through `fsdp-replay inspect --json`; return (steps per rank, problems)."""
     problems: list[str] = []
     out = subprocess.run(
-        [str(VENV_BIN / "fsdp-replay"), "inspect", str(run_dir), "--json"],
+        [sys.executable, "-m", "fsdp_replay", "inspect", str(run_dir), "--json"],
         cwd=REPO,
         env=run_env(),
         capture_output=True,
@@ -351,9 +350,9 @@ def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[list[int], list
         return [], [f"inspect printed no JSON: {e}"]
     per_rank = summary.get("per_rank", [])
     rank_steps = [int(r.get("steps", -1)) for r in per_rank]
-    if summary.get("world_size") != 2 or sorted(summary.get("ranks", [])) != [0, 1]:
+    if summary.get("world_size") != NPROC or sorted(summary.get("ranks", [])) != list(range(NPROC)):
         problems.append(
-            f"world_size {summary.get('world_size')}, ranks {summary.get('ranks')} (expected 2: [0, 1])"
+            f"world_size {summary.get('world_size')}, ranks {summary.get('ranks')} (expected {NPROC}: {list(range(NPROC))})"
         )
     if summary.get("missing_ranks"):
         problems.append(f"missing ranks {summary['missing_ranks']}")
@@ -407,19 +406,20 @@ def run_one(
     problems: list[str] = []
     if code != 0:
         problems.append(f"exit code {code}")
-    missing = [n for n in range(1, steps + 1) if n not in arrivals]
+    # the example numbers its step lines from 0, like the trace
+    missing = [n for n in range(steps) if n not in arrivals]
     if missing:
         problems.append(
             f"rank 0 printed no line for steps {missing[:10]}{' ...' if len(missing) > 10 else ''}"
         )
     times = [
         (arrivals[n] - arrivals[n - 1]) / 1e9
-        for n in range(warmup + 1, steps + 1)
+        for n in range(warmup, steps)
         if n in arrivals and n - 1 in arrivals
     ]
     if not times:
         problems.append("no step time measured")
-    last = arrivals.get(steps)
+    last = arrivals.get(steps - 1)
     res = RunResult(
         config=cfg.name,
         rep=rep,
@@ -727,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                     i for i, (a, b) in enumerate(zip(res.losses, baseline_losses, strict=False)) if a != b
                 )
                 res.problems.append(
-                    f"printed losses differ from the baseline's from step {diff + 1}: "
+                    f"printed losses differ from the baseline's from step {diff}: "
                     f"{res.losses[diff]} vs {baseline_losses[diff]}"
                 )
             extra = ""

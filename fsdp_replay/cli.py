@@ -1,4 +1,4 @@
-"""The one command line: ``fsdp-replay record | collect | inspect``.
+"""The one command line: ``fsdp-replay record | collect | inspect | replay | diff | nan | desync``.
 
 Every option is also an environment variable (``FSDP_REPLAY_<OPTION>``), so a pod spec can
 configure it without arguments. Exit codes: 0 success, 1 divergence found, 2 usage error,
@@ -358,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("--force", action="store_true", help="replay even if the script or torch version differ")
     rp.set_defaults(func=cmd_replay)
+
+    from fsdp_replay.cli_analysis import register
+
+    register(sub)
 
     i = sub.add_parser("inspect", help="summarize a trace")
     i.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")

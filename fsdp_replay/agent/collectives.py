@@ -124,22 +124,23 @@ class Handler(Protocol):
     def run(self, call: CollectiveCall, real: Callable[[], Any]) -> Any: ...
 
 
+def work_of(result: Any) -> Work | None:
+    """The Work an op returned, or None: a synchronous NCCL op (torch >= 2.10) may return none."""
+    work = result[-1] if isinstance(result, tuple) else result
+    if isinstance(work, torch.ScriptObject):
+        work = Work.unbox(work)
+    return work if isinstance(work, Work) else None
+
+
 def wait_result(result: Any, call: CollectiveCall | None = None) -> None:
-    """Wait for the Work an op returned (on CUDA this only orders the current stream)."""
+    """Wait for an op's result (on CUDA this only orders the current stream after the op)."""
     if call is not None and call.functional:
         for t in call.outputs:
             torch.ops._c10d_functional.wait_tensor(t)
         return
-    work = result[-1] if isinstance(result, tuple) else result
-    if isinstance(work, torch.ScriptObject):
-        Work.unbox(work).wait()
-    elif isinstance(work, Work):
+    work = work_of(result)
+    if work is not None:
         work.wait()
-
-
-def work_future(result: Any) -> torch.futures.Future[Any]:
-    work = result[-1] if isinstance(result, tuple) else result
-    return (Work.unbox(work) if isinstance(work, torch.ScriptObject) else work).get_future()
 
 
 class CollectiveInterceptor:

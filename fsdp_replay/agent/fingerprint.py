@@ -148,6 +148,34 @@ def fingerprint(t: torch.Tensor, algo: str | None = None) -> tuple[Any, Any, str
     )
 
 
+def fingerprint_many(tensors: list[torch.Tensor]) -> list[tuple[Any, Any, str]]:
+    """fingerprint() of each tensor; on CUDA with one device-to-host copy and one event for all."""
+    if not tensors or tensors[0].device.type == "cpu" or any(t.device != tensors[0].device for t in tensors):
+        return [fingerprint(t) for t in tensors]
+    device = tensors[0].device
+    rows = torch.zeros(len(tensors), 4, dtype=torch.int64, device=device)
+    for i, t in enumerate(tensors):
+        rows[i, :3] = lin64_sums(t)
+        nf = _nonfinite(t)
+        if nf is not None:
+            rows[i, 3] = nf.to(torch.int64)
+    host = torch.empty(rows.shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    out: list[tuple[Any, Any, str]] = []
+    for i, t in enumerate(tensors):
+        combine = _combine_lin64_host(nbytes_of(t))
+        out.append(
+            (
+                Pending(host, event, lambda h, i=i, c=combine: c(h[i])),
+                Pending(host, event, lambda h, i=i: bool(int(h[i, 3]))),
+                schema.FP_LIN64,
+            )
+        )
+    return out
+
+
 def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_replay.agent import capture
-from fsdp_replay.agent.collectives import P2P_OPS, CollectiveCall, wait_result, work_future
+from fsdp_replay.agent.collectives import P2P_OPS, CollectiveCall, wait_result, work_of
 from fsdp_replay.agent.config import AgentConfig
-from fsdp_replay.agent.fingerprint import fingerprint, host_values, nbytes_of
+from fsdp_replay.agent.fingerprint import fingerprint, fingerprint_many, host_values, nbytes_of
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.spool import SpoolWriter, rank_dir
@@ -105,6 +105,7 @@ class Recorder:
         self._lock = threading.Lock()
         self.on_step_zero_done: Callable[[], None] | None = None
         self.module_idx = 0
+        self._pending_marker: threading.Event | None = None
         self.tap: Any = None
         if not config.module_fingerprints.empty:
             from fsdp_replay.agent.modules import ModuleTap
@@ -293,13 +294,23 @@ class Recorder:
             self.fail(f"collective {call.op}", e)
             return real()
         result = real()
-        call.set_outputs(result)
-        if call.op in P2P_OPS and call.outputs and call.outputs[0].device.type == "cpu":
+        try:
+            call.set_outputs(result)
+            work = None if call.functional else work_of(result)
+            p2p = call.op in P2P_OPS and call.outputs and call.outputs[0].device.type == "cpu"
+        except Exception as e:
+            self.fail(f"collective {call.op}", e)
+            return result
+        if p2p and work is not None:
             # Waiting here could deadlock a program that posts irecv before isend on both sides.
-            work_future(result).then(lambda _f: self._complete(call, event))
-        else:
-            wait_result(result, call)  # the program's own error (a timeout, an abort) propagates
-            self._complete(call, event)
+            work.get_future().then(lambda _f: self._complete(call, event))
+            return result
+        # The program's own error (a timeout, an abort) propagates from these waits, as it would from its own.
+        if call.functional:
+            wait_result(result, call)
+        elif work is not None:
+            work.wait()
+        self._complete(call, event)
         return result
 
     def _complete(self, call: CollectiveCall, event: dict[str, Any]) -> None:
@@ -329,7 +340,7 @@ class Recorder:
             return
         self._check_fault("step")
         w = self._ensure_started()
-        params = [fingerprint(capture.local(p)) for p in capture.optimizer_params(opt)]
+        params = fingerprint_many([capture.local(p).detach() for p in capture.optimizer_params(opt)])
         loss = host_values(torch.stack(self.losses)) if self.losses else []
         w.event(
             {
@@ -362,6 +373,21 @@ class Recorder:
                 self.step - 1,
                 FLUSH_TIMEOUT_S,
             )
+
+    def _sync_step(self, w: BackgroundWriter, opt: torch.optim.Optimizer) -> None:
+        """Crash consistency: a finished step's records reach the disk before the next step ends.
+
+        On the CPU a step's values are final when it ends, so we wait for them now. On a GPU
+        they are final only when the device has run the step: waiting now would stall the host
+        until the device drains (no more running ahead), so we wait for the previous step's
+        records instead, which the device has long finished.
+        """
+        on_gpu = any(p.device.type != "cpu" for p in capture.optimizer_params(opt)[:1])
+        marker = w.marker()
+        wait_for = self._pending_marker if on_gpu else marker
+        self._pending_marker = marker
+        if wait_for is not None and not wait_for.wait(FLUSH_TIMEOUT_S):
+            log.warning("fsdp-replay: the spool writer is more than %.0fs behind", FLUSH_TIMEOUT_S)
 
     def _name_params(self, opt: torch.optim.Optimizer) -> None:
         for ref in self.roots:

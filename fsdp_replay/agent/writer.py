@@ -89,13 +89,20 @@ class BackgroundWriter:
         """Run fn on the writer thread; it returns more ("ev", obj) / ("raw", (ref, bytes)) items."""
         self._q.put(("call", fn))
 
+    def marker(self) -> threading.Event:
+        """An event set once everything enqueued so far is written."""
+        done = threading.Event()
+        if not self._thread.is_alive():
+            done.set()
+            return done
+        self._q.put(("flush", done))
+        return done
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything enqueued so far is written. False on timeout."""
         if not self._thread.is_alive():
             return False
-        done = threading.Event()
-        self._q.put(("flush", done))
-        return done.wait(timeout)
+        return self.marker().wait(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         if self._thread.is_alive():

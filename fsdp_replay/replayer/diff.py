@@ -521,7 +521,7 @@ def _rank_diff(ra: RankTrace, rb: RankTrace, intern: Interner, with_magnitude: b
     longer = []
     for side in ("a", "b"):
         more = [
-            f"{d[side + '_total'] - d['compared']} more {what}"
+            f"{d[side + '_total'] - d['compared']} more {what if d[side + '_total'] - d['compared'] > 1 else what[:-1]}"
             for what, d in (("collectives", colls), ("steps", steps))
             if d[side + "_total"] > d["compared"]
         ]
@@ -582,6 +582,36 @@ def describe(ev: dict[str, Any]) -> str:
     return text
 
 
+def _notes(a: Trace, b: Trace, chosen: list[int]) -> list[str]:
+    """Differences in what was run (script contents, arguments) that explain a divergence."""
+    if not chosen:
+        return []
+    ma, mb = a.rank(chosen[0]).meta, b.rank(chosen[0]).meta
+    notes = []
+    sa, sb = ma.get("script") or {}, mb.get("script") or {}
+    if sa.get("sha256") != sb.get("sha256"):
+        ha, hb = (str(x.get("sha256"))[:12] for x in (sa, sb))
+        notes.append(
+            f"the script differs: A ran {sa.get('path')} (sha256 {ha}), B ran {sb.get('path')} (sha256 {hb})"
+        )
+    argv_a, argv_b = list(ma.get("argv") or []), list(mb.get("argv") or [])
+    if argv_a[1:] != argv_b[1:]:
+        import difflib
+
+        xa, xb = argv_a[1:], argv_b[1:]
+        parts = []
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=xa, b=xb, autojunk=False).get_opcodes():
+            if tag == "equal":
+                continue
+            # show the option name in front of a changed value
+            if i1 > 0 and j1 > 0 and xa[i1 - 1] == xb[j1 - 1] and xa[i1 - 1].startswith("-"):
+                i1, j1 = i1 - 1, j1 - 1
+            sa_, sb_ = " ".join(xa[i1:i2]), " ".join(xb[j1:j2])
+            parts.append(f"A {f'`{sa_}`' if sa_ else 'nothing'} vs B {f'`{sb_}`' if sb_ else 'nothing'}")
+        notes.append("the arguments differ: " + "; ".join(parts))
+    return notes
+
+
 def diff_traces(
     a: Trace, b: Trace, ranks: list[int] | None = None, *, with_magnitude: bool = True
 ) -> dict[str, Any]:
@@ -607,12 +637,7 @@ def diff_traces(
     chosen = sorted(in_a & in_b) if ranks is None else [r for r in ranks if r in in_a and r in in_b]
     intern = Interner()
     per_rank = [_rank_diff(a.rank(r), b.rank(r), intern, with_magnitude) for r in chosen]
-    notes = []
-    for key in ("script", "argv"):
-        ra = [a.rank(r).meta.get(key) for r in chosen[:1]]
-        rb = [b.rank(r).meta.get(key) for r in chosen[:1]]
-        if ra != rb and key == "script":
-            notes.append(f"the two traces recorded different scripts: {ra} vs {rb}")
+    notes = _notes(a, b, chosen)
     if a.world_size != b.world_size:
         notes.append(f"world sizes differ: {a.world_size} vs {b.world_size}")
     diverged = [pr for pr in per_rank if pr["first"] is not None]

@@ -67,6 +67,7 @@ class RankTrace:
         self.rank = rank
         self.group = group
         self.where = f"{trace.url}/{schema.RANK_GROUP_FMT.format(rank=rank)}"
+        self._tables: dict[str, Table] = {}
 
     @cached_property
     def attrs(self) -> dict[str, Any]:
@@ -80,6 +81,10 @@ class RankTrace:
         return list(self.attrs.get(f"{kind}_names", []))
 
     def table(self, name: str) -> Table:
+        """One table (cached: its columns are read once)."""
+        cached = self._tables.get(name)
+        if cached is not None:
+            return cached
         if name not in TABLES:
             raise KeyError(name)
         try:
@@ -87,7 +92,8 @@ class RankTrace:
         except KeyError:
             raise TraceFormatError(f"missing table {name!r}", path=self.where) from None
         assert isinstance(g, zarr.Group)
-        return Table(g, f"{self.where}/{name}")
+        table = self._tables[name] = Table(g, f"{self.where}/{name}")
+        return table
 
     @cached_property
     def collectives(self) -> Table:
