@@ -16,12 +16,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
-# Record the example FSDP2 job (2 CPU ranks, gloo) into runs/demo and summarize the trace.
+# Record the example FSDP2 job (2 CPU ranks, gloo) into runs/demo, summarize the trace, and
+# replay rank 1 alone from the step-5 snapshot.
 demo: $(STAMP)
 	rm -rf runs/demo
 	$(BIN)/fsdp-replay record --out runs/demo --snapshot-every 5 -- \
 		$(BIN)/torchrun --standalone --nproc_per_node 2 examples/train_fsdp.py --steps 10
 	$(BIN)/fsdp-replay inspect runs/demo
+	$(BIN)/fsdp-replay replay runs/demo --rank 1 --from-step 5
 
 lint: $(STAMP)
 	$(BIN)/ruff check fsdp_replay tests examples bench
