@@ -302,3 +302,46 @@ def test_recorded_payloads_match_their_fingerprints(tmp_path: Path) -> None:
     for i in rows.tolist():
         data = rt.payload(int(t["payload"][i]), verify=(algos[int(t["algo"][i])], int(t["fp"][i])))
         assert len(data) == int(t["nbytes"][i])
+
+
+def test_a_hang_killed_with_sigkill_still_shows_where_each_rank_waited(tmp_path: Path) -> None:
+    """The writer thread notes a collective in flight for over 2 s; SIGKILL cannot erase that."""
+    out = tmp_path / "hung"
+    cmd = [
+        *CLI,
+        "record",
+        "--out",
+        str(out),
+        "--payloads",
+        "none",
+        "--",
+        *torchrun_cmd(
+            2, EXAMPLE, *SMALL[2:], "--steps", "6", "--skip-collective-at-step", "2", "--skip-rank", "1"
+        ),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 1 "):
+            break
+    time.sleep(8)  # both ranks are now blocked in different collectives
+    victims = _workers(psutil.Process(proc.pid))
+    assert len(victims) == 2
+    for v in victims:
+        v.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=240)
+    trace = Trace.open(out / schema.TRACE_DIR)
+    for r in range(2):
+        rt = trace.rank(r)
+        assert rt.attrs["end"] is None
+        stuck = rt.attrs["stuck"]
+        assert stuck and stuck[-1]["waited_ns"] >= schema.STUCK_AFTER_NS, (r, stuck)
+    # rank 0 waits in the loss all-reduce rank 1 skipped; rank 1 has moved on to step 3
+    assert trace.rank(0).attrs["stuck"][-1]["op"] == "allreduce_"
+    assert trace.rank(1).attrs["stuck"][-1]["step"] == 3
+    report = run([*CLI, "desync", str(out), "--json"], check=False)
+    assert report.returncode == 1
+    doc = json.loads(report.stdout)
+    assert all(r["in_flight"] is not None for r in doc["ranks"]), doc["ranks"]

@@ -74,6 +74,7 @@ def test_event_keys_pinned() -> None:
         "mod": {"type", "step", "micro", "idx", "name", "kind", "fp", "algo", "nonfinite"},
         "agent_error": {"type", "where", "message", "traceback"},
         "drop": {"type", "what", "count", "nbytes", "reason"},
+        "stuck": {"type", "seq", "step", "op", "pg", "t_ns", "waited_ns"},
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
     }
     assert {k: set(v) for k, v in schema.EVENT_KEYS.items()} == expected

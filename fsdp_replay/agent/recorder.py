@@ -152,7 +152,7 @@ class Recorder:
                 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
             self.rank = rank
             spool = SpoolWriter(rank_dir(Path(self.config.out) / schema.SPOOL_DIR, rank), rank)
-            writer = BackgroundWriter(spool, self.fail)
+            writer = BackgroundWriter(spool, self.fail, self._stuck)
             info = capture.process_info(rank, world, int(os.environ.get("LOCAL_RANK", 0)))
             start = {
                 "type": schema.EV_RANK_START,
@@ -176,6 +176,21 @@ class Recorder:
             self.writer = writer
             return writer
 
+    def _stuck(self) -> dict[str, Any] | None:
+        """Writer thread, when idle: the collective this rank has waited in for a while, once."""
+        inflight = self.inflight
+        if inflight is None or inflight.get("reported"):
+            return None
+        waited = time.monotonic_ns() - self.t0 - inflight["t_ns"]
+        if waited < schema.STUCK_AFTER_NS:
+            return None
+        inflight["reported"] = True
+        return {
+            "type": schema.EV_STUCK,
+            **{k: inflight[k] for k in ("seq", "step", "op", "pg", "t_ns")},
+            "waited_ns": waited,
+        }
+
     def finish(self, reason: str = "exit") -> None:
         """Write the end event and drain the writer (atexit, SIGTERM). Idempotent."""
         if self.finished or os.getpid() != self.pid or self.writer is None:
@@ -195,7 +210,9 @@ class Recorder:
                 "colls": self.seq,
                 "t_ns": time.monotonic_ns() - self.t0,
                 "counters": counters,
-                "inflight": self.inflight,
+                "inflight": None
+                if self.inflight is None
+                else {k: v for k, v in self.inflight.items() if k != "reported"},
             }
         )
         w.flush(FLUSH_TIMEOUT_S)
@@ -289,7 +306,7 @@ class Recorder:
             if extra:
                 event["extra"] = extra
             self.seq += 1
-            self.inflight = {k: event[k] for k in ("seq", "step", "op", "pg")}
+            self.inflight = {k: event[k] for k in ("seq", "step", "op", "pg", "t_ns")}
         except Exception as e:
             self.fail(f"collective {call.op}", e)
             return real()

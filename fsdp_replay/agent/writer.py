@@ -62,9 +62,15 @@ class Counters:
 
 
 class BackgroundWriter:
-    def __init__(self, spool: SpoolWriter, on_error: Callable[[str, BaseException], None]) -> None:
+    def __init__(
+        self,
+        spool: SpoolWriter,
+        on_error: Callable[[str, BaseException], None],
+        on_idle: Callable[[], dict[str, Any] | None] | None = None,
+    ) -> None:
         self.spool = spool
         self.on_error = on_error
+        self.on_idle = on_idle  # asked once a second while idle: an event to write, or None
         self.counters = Counters()
         self.pending_bytes = 0  # payload bytes enqueued and not yet written (read by the agent)
         self._q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -113,7 +119,11 @@ class BackgroundWriter:
     # -- writer-thread side -----------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            kind, item = self._q.get()
+            try:
+                kind, item = self._q.get(timeout=1.0)
+            except queue.Empty:
+                self._idle()
+                continue
             try:
                 if kind == "stop":
                     self._drain_retry()
@@ -136,6 +146,16 @@ class BackgroundWriter:
                 self.on_error("writer", e)
                 if kind == "flush":
                     item.set()
+
+    def _idle(self) -> None:
+        if self.on_idle is None:
+            return
+        try:
+            ev = self.on_idle()
+            if ev is not None:
+                self._write_event(ev)
+        except BaseException as e:
+            self.on_error("writer (idle)", e)
 
     def _write_event(self, obj: dict[str, Any]) -> None:
         # Encoding resolves Pending/BlobRef values, so a retried event holds no device memory.

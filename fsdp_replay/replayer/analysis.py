@@ -450,6 +450,11 @@ def _rank_ctx(rk: int, r: RankTrace, intern: Interner) -> _RankCtx:
     sig = _signatures(r, co, op_gid, red, intern.lut(["dtype:" + x for x in r.names("dtype")]))
     end = r.attrs.get("end")
     raw = end.get("inflight") if isinstance(end, dict) else None
+    stuck = r.attrs.get("stuck") or []
+    if raw is None and stuck:
+        # A rank killed while it waited (SIGKILL, or a signal its blocked thread could not take):
+        # the writer thread noted the collective it had waited in for a while.
+        raw = stuck[-1]
     inflight = None
     ipg, igid = -2, -1
     if isinstance(raw, dict) and not (len(co) and int(raw.get("seq", -1)) in set(co.seq.tolist()[-8:])):

@@ -175,6 +175,7 @@ class _RankBuilder:
             "drops": [],
             "structures": [],
             "attempts": 0,
+            "stuck": [],
         }
         self._structures: dict[str, int] = {}
         self.blob_payload: dict[int, int] = {}  # spool blob id (per attempt) -> payload row
@@ -385,6 +386,9 @@ class _RankBuilder:
 
     def _ev_agent_error(self, ev: dict[str, Any]) -> None:
         self.attrs["agent_errors"].append({k: v for k, v in ev.items() if k != "type"})
+
+    def _ev_stuck(self, ev: dict[str, Any]) -> None:
+        self.attrs["stuck"].append({k: v for k, v in ev.items() if k != "type"})
 
     def _ev_drop(self, ev: dict[str, Any]) -> None:
         self.attrs["drops"].append({k: v for k, v in ev.items() if k != "type"})

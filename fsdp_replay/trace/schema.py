@@ -45,6 +45,9 @@ RECORD_HEADER_SIZE: Final = 16
 KIND_EVENT: Final = 1  # body: JSON event
 KIND_BLOB: Final = 2  # body: JSON {"blob": id, "nbytes": n} then n raw bytes
 RECORD_KINDS: Final = frozenset({KIND_EVENT, KIND_BLOB})
+# A collective in flight this long is written down as `stuck` (so a hang killed by SIGKILL still
+# shows where each rank waited).
+STUCK_AFTER_NS: Final = 2_000_000_000
 # Segments roll over past this size so a damaged file costs at most one segment.
 SEGMENT_MAX_BYTES: Final = 64 << 20
 
@@ -61,6 +64,7 @@ EV_MODULES: Final = "modules"
 EV_MODULE_FP: Final = "mod"
 EV_AGENT_ERROR: Final = "agent_error"
 EV_DROP: Final = "drop"
+EV_STUCK: Final = "stuck"
 EV_END: Final = "end"
 
 EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
@@ -99,6 +103,7 @@ EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
     EV_MODULE_FP: frozenset({"type", "step", "micro", "idx", "name", "kind", "fp", "algo", "nonfinite"}),
     EV_AGENT_ERROR: frozenset({"type", "where", "message", "traceback"}),
     EV_DROP: frozenset({"type", "what", "count", "nbytes", "reason"}),
+    EV_STUCK: frozenset({"type", "seq", "step", "op", "pg", "t_ns", "waited_ns"}),
     EV_END: frozenset({"type", "reason", "steps", "colls", "t_ns", "counters"}),
 }
 # Keys an event may carry beyond EVENT_KEYS; readers tolerate only these extras.
