@@ -69,12 +69,15 @@ def cmd_record(args: argparse.Namespace) -> int:
         module_fingerprints=StepSet.parse(args.module_fingerprints),
         snapshot_every=int(args.snapshot_every),
         sync_steps=not args.no_sync_steps,
+        reserve_bytes=int(args.reserve_bytes),
     )
     env = agent_env(out, config.to_env())
     print(f"fsdp-replay: recording into {out}", file=sys.stderr)
+    run: dict[str, Any] = {"command": redact_argv(command), "exit_code": None, "fsdp_replay": __version__}
+    _write_run(out, run)  # before the run too: a record process killed mid-run still leaves it
     code, info = run_command(command, env)
-    run = {"command": redact_argv(command), "exit_code": code, **info, "fsdp_replay": __version__}
-    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    run.update(exit_code=code, **info)
+    _write_run(out, run)
     if args.no_collect:
         return code
     if not spool_dir.exists():
@@ -99,13 +102,26 @@ def cmd_record(args: argparse.Namespace) -> int:
     return code
 
 
-def _collect(out: Path, run: dict[str, Any] | None = None, strict: bool = False) -> Any:
+def _write_run(out: Path, run: dict[str, Any]) -> None:
+    """run.json, atomically; on a full disk, say so and go on (the spools matter more)."""
+    tmp = out / "run.json.tmp"
+    try:
+        tmp.write_text(json.dumps(run, indent=2) + "\n")
+        tmp.replace(out / "run.json")
+    except OSError as e:
+        print(f"fsdp-replay: could not write {out / 'run.json'}: {e.strerror}", file=sys.stderr)
+        tmp.unlink(missing_ok=True)
+
+
+def _collect(
+    out: Path, run: dict[str, Any] | None = None, strict: bool = False, trace: str | None = None
+) -> Any:
     from fsdp_replay.trace import schema
     from fsdp_replay.trace.collect import collect
 
     if run is None and (out / "run.json").is_file():
         run = json.loads((out / "run.json").read_text())
-    return collect(out / schema.SPOOL_DIR, out / schema.TRACE_DIR, run=run, strict=strict)
+    return collect(out / schema.SPOOL_DIR, trace or out / schema.TRACE_DIR, run=run, strict=strict)
 
 
 def _print_collect(report: Any) -> None:
@@ -123,13 +139,19 @@ def _print_collect(report: Any) -> None:
                 f"  rank {r.rank}: {r.payload_missing} payloads referenced but not stored (dropped)",
                 file=sys.stderr,
             )
+        if r.payloads_dropped:
+            print(
+                f"  rank {r.rank}: {r.payloads_dropped} payloads dropped while recording (disk full or memory "
+                "bound); every event was kept",
+                file=sys.stderr,
+            )
     print(f"fsdp-replay: trace written to {report.trace} in {report.seconds:.1f}s", file=sys.stderr)
 
 
 # -- collect ----------------------------------------------------------------------------------
 def cmd_collect(args: argparse.Namespace) -> int:
     out = Path(args.run)
-    report = _collect(out, strict=args.strict)
+    report = _collect(out, strict=args.strict, trace=args.trace)
     _print_collect(report)
     return EXIT_BAD_INPUT if report.damaged else EXIT_OK
 
@@ -289,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
         "where a divergence starts: none, all, steps:SPEC (env FSDP_REPLAY_MODULE_FINGERPRINTS)",
     )
     r.add_argument(
+        "--reserve-bytes",
+        type=int,
+        default=int(_env_default("reserve_bytes", 16 << 20)),
+        help="disk space each rank holds back for metadata, released when payloads fill the disk "
+        "(env FSDP_REPLAY_RESERVE_BYTES; default 16 MiB)",
+    )
+    r.add_argument(
         "--snapshot-every",
         type=int,
         default=int(_env_default("snapshot_every", 0)),
@@ -315,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("collect", help="build (or rebuild) a run's trace from its spools")
     c.add_argument("run", help="the run folder given to record --out")
     c.add_argument("--strict", action="store_true", help="fail at the first damaged record")
+    c.add_argument(
+        "--trace",
+        default=_env_default("trace", None),
+        help="where to write the trace: a folder or an fsspec URL such as s3://bucket/run1 (default RUN/trace.zarr)",
+    )
     c.set_defaults(func=cmd_collect)
 
     rp = sub.add_parser(
@@ -394,6 +428,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except FsdpReplayError as e:
         print(f"fsdp-replay: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:  # a full disk, a permission problem: a clear line, not a traceback
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"fsdp-replay: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -345,3 +346,52 @@ def test_a_hang_killed_with_sigkill_still_shows_where_each_rank_waited(tmp_path:
     assert report.returncode == 1
     doc = json.loads(report.stdout)
     assert all(r["in_flight"] is not None for r in doc["ranks"]), doc["ranks"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 3 MiB tmpfs: a disk that fills up during a recording."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("mounting a tmpfs failed here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_drops_payloads_first_and_keeps_every_event(tmp_path: Path, tiny_disk: Path) -> None:
+    plain = train(tmp_path, 2, *SMALL)
+    out = tiny_disk / "run"
+    run(
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(out),
+            "--no-collect",
+            "--",
+            *torchrun_cmd(2, EXAMPLE, "--save-params", str(tmp_path / "params-{rank}.pt"), *SMALL),
+        ]
+    )
+    for r in range(2):  # the training itself was not disturbed
+        import torch
+
+        a = torch.load(plain / f"params-{r}.pt")
+        b = torch.load(tmp_path / f"params-{r}.pt")
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    trace_dir = tmp_path / "trace.zarr"
+    proc = run([*CLI, "collect", str(out), "--trace", str(trace_dir)], check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "payloads dropped while recording (disk full" in proc.stderr
+    trace = Trace.open(trace_dir)
+    for r in range(2):
+        rt = trace.rank(r)
+        counters = rt.attrs["end"]["counters"]
+        assert counters["blobs_dropped"] > 0 and counters["write_errors"] > 0
+        assert counters["events_dropped"] == 0
+        assert len(rt.steps) == 6  # metadata of every step survived
+        assert (rt.tensors["payload"] < 0).any() and (rt.tensors["payload"] >= 0).any()

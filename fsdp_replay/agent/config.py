@@ -108,6 +108,8 @@ class AgentConfig:
     """Wait at each step end until the step's records are written (crash consistency)."""
     max_pending_bytes: int = 1 << 30
     """Payload bytes waiting for the writer beyond which new payloads are dropped (and counted)."""
+    reserve_bytes: int = 16 << 20
+    """Disk space held back per rank for metadata, released when payloads fill the disk."""
     inject_fault: str = ""
     """Testing only: ``WHERE:N`` raises inside the agent at the N-th call of WHERE."""
     # Replay mode (set by `fsdp-replay replay`).
@@ -150,6 +152,7 @@ class AgentConfig:
             snapshot_every=_int(env, "SNAPSHOT_EVERY", 0),
             sync_steps=_bool(env, "SYNC_STEPS", True),
             max_pending_bytes=_int(env, "MAX_PENDING_BYTES", 1 << 30, minimum=1),
+            reserve_bytes=_int(env, "RESERVE_BYTES", 16 << 20),
             inject_fault=env.get(ENV_PREFIX + "INJECT_FAULT", ""),
             trace=env.get(ENV_PREFIX + "TRACE", ""),
             rank=_int(env, "RANK", 0),
@@ -180,4 +183,5 @@ class AgentConfig:
             ENV_PREFIX + "SNAPSHOT_EVERY": str(self.snapshot_every),
             ENV_PREFIX + "SYNC_STEPS": "1" if self.sync_steps else "0",
             ENV_PREFIX + "MAX_PENDING_BYTES": str(self.max_pending_bytes),
+            ENV_PREFIX + "RESERVE_BYTES": str(self.reserve_bytes),
         }

@@ -157,14 +157,19 @@ def fingerprint(t: torch.Tensor, algo: str | None = None) -> tuple[Any, Any, str
 # lands in column i % LIN64_ROW of its (i // LIN64_ROW)-th row. Zero words add nothing to S, A or B,
 # and the zero padding of a last partial word is lin64's own tail rule. Then per buffer row:
 # the int64 row sum, the column-weighted row sum, and the row sum times the row's weight within its
-# tensor; index_add_ adds the rows of each tensor (integer adds: exact in any order). The
+# tensor (row j of a tensor weighs j + 1); index_add_ adds the rows of each tensor (integer adds: exact in any order). The
 # non-finite flag is the float sum of each tensor's rows, viewed as its own dtype, again added per
 # tensor with index_add_. The buffer is processed in chunks (a tensor may span chunks: the sums are
 # linear), and the per-row segment ids and weights are cached per layout (dtypes and sizes).
+# The lin64 values are those of fingerprint() bit for bit. The float sums are added in another order
+# than t.sum(): the flags differ only if partial sums of finite values overflow in one order and
+# not in the other (any NaN or infinite element flags the tensor in both).
 
 _ROW_BYTES = LIN64_ROW * 4
-# Device temporaries of one chunk: its words (4 bytes each) and their int64 column products (8 bytes
-# each) stay under this many bytes. Tests lower it to exercise chunking.
+_SUB = 32  # a row is viewed as _SUB x _SUB words
+assert _SUB * _SUB == LIN64_ROW
+# The words of one chunk take at most this many bytes of device memory (plus 1/8 of it in per-row
+# partial sums). Tests lower it to exercise chunking.
 _CHUNK_BYTES = 256 << 20
 _LAYOUT_CACHE_SIZE = 8
 
@@ -226,9 +231,10 @@ class _Layout:
         self.has_f32 = any(_FLOAT_ACC.get(specs[i][0]) == torch.float32 for i in fast)
         self.has_f64 = any(_FLOAT_ACC.get(specs[i][0]) == torch.float64 for i in fast)
         # built on the host and copied with blocking copies, so they are ready on any stream
-        self.col_weight = torch.arange(1, LIN64_ROW + 1, dtype=torch.int64).to(device)
+        sub = torch.arange(_SUB, dtype=torch.int64)
+        self.col_weight = torch.cat([sub * _SUB, sub + 1]).to(device)  # see _lin64_rows
         zeros = torch.zeros(_ROW_BYTES, dtype=torch.uint8).to(device)
-        cap = max(1, chunk_bytes // (_ROW_BYTES * 3))  # rows per chunk: 4 + 8 bytes per word
+        cap = max(1, chunk_bytes // _ROW_BYTES)  # rows per chunk
         self.chunks: list[_Chunk] = []
         spans: list[tuple[int, int, int, torch.Tensor | None]] = []
         runs: list[tuple[int, int, int]] = []  # (segment, first row weight, rows)
@@ -324,9 +330,12 @@ def _lin64_rows(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
                     if pad is not None:
                         pieces.append(pad)
                 buf = torch.cat(pieces)
-                words = buf.view(torch.int32).view(chunk.rows, LIN64_ROW)
-                rowsum = words.sum(1, dtype=torch.int64)
-                rowa = torch.mul(words, layout.col_weight).sum(1)
+                # column k = 32 a + c of a row has weight k + 1 = 32 a + (c + 1): two int64 sums
+                # over a 32 x 32 view give the column-weighted row sum without an int64 copy
+                words = buf.view(torch.int32).view(chunk.rows, _SUB, _SUB)
+                parts32 = torch.cat([words.sum(2, dtype=torch.int64), words.sum(1, dtype=torch.int64)], 1)
+                rowsum = parts32[:, :_SUB].sum(1)
+                rowa = (parts32 * layout.col_weight).sum(1)
                 rowb = rowsum * chunk.row_weight
                 sums.index_add_(0, chunk.row_seg, torch.stack([rowsum, rowa, rowb], 1))
                 for dtype, acc, r0, r1 in chunk.floats:
@@ -398,6 +407,12 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[tuple[Any, Any, str]]:
     host.copy_(rows, non_blocking=True)
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
+    return _pendings(tensors, row_of, host, event)
+
+
+def _pendings(
+    tensors: list[torch.Tensor], row_of: list[int], host: torch.Tensor, event: Any
+) -> list[tuple[Any, Any, str]]:
     shared = _HostRows()
     return [
         (

@@ -151,7 +151,11 @@ class Recorder:
             else:
                 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
             self.rank = rank
-            spool = SpoolWriter(rank_dir(Path(self.config.out) / schema.SPOOL_DIR, rank), rank)
+            spool = SpoolWriter(
+                rank_dir(Path(self.config.out) / schema.SPOOL_DIR, rank),
+                rank,
+                reserve_bytes=self.config.reserve_bytes,
+            )
             writer = BackgroundWriter(spool, self.fail, self._stuck)
             info = capture.process_info(rank, world, int(os.environ.get("LOCAL_RANK", 0)))
             start = {
@@ -440,7 +444,7 @@ class Recorder:
             data = capture.encode_snapshot(state)
             ref = BlobRef()
             return [
-                ("raw", (ref, data)),
+                ("payload", (ref, data)),
                 (
                     "ev",
                     {

@@ -13,6 +13,7 @@ import collections
 import errno
 import json
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from fsdp_replay.trace.spool import SpoolWriter
 
 log = logging.getLogger(__name__)
 RETRY_EVENTS_MAX = 100_000
+# Below this much free space, a failed write turns payloads off and releases the reserve.
+LOW_WATER_BYTES = 4 << 20
 
 
 class BlobRef:
@@ -73,6 +76,7 @@ class BackgroundWriter:
         self.on_idle = on_idle  # asked once a second while idle: an event to write, or None
         self.counters = Counters()
         self.pending_bytes = 0  # payload bytes enqueued and not yet written (read by the agent)
+        self.payloads_off = False  # set once the disk filled: from then on, metadata only
         self._q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._dedup: dict[tuple[Any, int, str], int] = {}
         self._next_blob = 0
@@ -92,7 +96,8 @@ class BackgroundWriter:
         self._q.put(("blob", (ref, data, fp, nbytes, algo, ready)))
 
     def call(self, fn: Callable[[], list[tuple[str, Any]]]) -> None:
-        """Run fn on the writer thread; it returns more ("ev", obj) / ("raw", (ref, bytes)) items."""
+        """Run fn on the writer thread; it returns ("ev", obj), ("raw", (ref, bytes)) (metadata
+        blobs: RNG states) and ("payload", (ref, bytes)) (snapshots: dropped first) items."""
         self._q.put(("call", fn))
 
     def marker(self) -> threading.Event:
@@ -139,6 +144,10 @@ class BackgroundWriter:
                     for k2, i2 in item():
                         if k2 == "ev":
                             self._write_event(i2)
+                        elif k2 == "payload" and self.payloads_off:  # a snapshot, once the disk is full
+                            ref, raw = i2
+                            self.counters.blobs_dropped += 1
+                            self.counters.blob_bytes_dropped += memoryview(raw).nbytes
                         else:
                             ref, raw = i2
                             self._write_raw(ref, raw)
@@ -193,6 +202,19 @@ class BackgroundWriter:
             what = "the disk is full" if e.errno == errno.ENOSPC else str(e)
             log.warning("fsdp-replay: cannot write the spool (%s); dropping payloads, keeping metadata", what)
         self.counters.write_errors += 1
+        if not self.payloads_off and self._free_bytes() < LOW_WATER_BYTES:
+            # Payloads filled the disk; dropping later ones frees nothing. The space held back
+            # at start is what lets the metadata of the rest of the run still be written.
+            # (A single payload larger than the free space is only dropped, above the mark.)
+            self.payloads_off = True
+            self.spool.release_reserve()
+
+    def _free_bytes(self) -> int:
+        try:
+            st = os.statvfs(self.spool.folder)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
 
     def _write_blob(self, ref: BlobRef, data: Any, fp: Any, nbytes: int, algo: str, ready: Any) -> None:
         try:
@@ -204,6 +226,10 @@ class BackgroundWriter:
                 ref.id = self._dedup[key]
                 self.counters.blobs_deduplicated += 1
                 self.counters.dedup_bytes_saved += nbytes
+                return
+            if self.payloads_off:
+                self.counters.blobs_dropped += 1
+                self.counters.blob_bytes_dropped += nbytes
                 return
             buf = data if isinstance(data, bytes | bytearray | memoryview) else host_buffer(data)
             if self._write_raw(ref, buf):

@@ -141,6 +141,7 @@ class RankReport:
     blobs_shared: int = 0
     blob_bytes: int = 0
     payload_missing: int = 0
+    payloads_dropped: int = 0  # by the agent (disk full, memory bound), from its end counters
     damage: list[str] = field(default_factory=list)
     clean_end: bool = False
 
@@ -396,6 +397,7 @@ class _RankBuilder:
     def _ev_end(self, ev: dict[str, Any]) -> None:
         self.attrs["end"] = {k: v for k, v in ev.items() if k != "type"}
         self.report.clean_end = True
+        self.report.payloads_dropped = int((ev.get("counters") or {}).get("blobs_dropped", 0))
 
     # -- output -------------------------------------------------------------------------------
     def write(self) -> None:

@@ -29,6 +29,7 @@ from fsdp_replay.errors import TraceFormatError, TraceVersionError
 from fsdp_replay.trace import schema
 
 _HEADER = struct.Struct(schema.RECORD_HEADER)
+RESERVE_FILE = "reserve"
 _U32 = struct.Struct("<I")
 assert _HEADER.size == schema.RECORD_HEADER_SIZE
 
@@ -60,7 +61,14 @@ class SpoolWriter:
     re-raised, so a failed write never leaves a half record in the middle of the log.
     """
 
-    def __init__(self, folder: str | os.PathLike[str], rank: int, *, max_segment_bytes: int | None = None):
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        rank: int,
+        *,
+        max_segment_bytes: int | None = None,
+        reserve_bytes: int = 0,
+    ):
         self.folder = Path(folder)
         self.rank = rank
         self.max_segment_bytes = max_segment_bytes or schema.SEGMENT_MAX_BYTES
@@ -74,7 +82,37 @@ class SpoolWriter:
         self._offset = 0
         self.bytes_written = 0
         self.records_written = 0
+        self.reserve = self.folder / RESERVE_FILE
+        self.reserve_bytes = 0
         self._open_segment()
+        if reserve_bytes:
+            self._make_reserve(reserve_bytes)
+
+    def _make_reserve(self, nbytes: int) -> None:
+        """Hold back disk space for metadata: released when the disk fills (``release_reserve``).
+
+        A disk with less room than asked gets a smaller reserve (halving down to 64 KiB).
+        """
+        while nbytes >= 64 << 10:
+            try:
+                fd = os.open(self.reserve, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                finally:
+                    os.close(fd)
+                self.reserve_bytes = nbytes
+                return
+            except OSError:
+                self.reserve.unlink(missing_ok=True)
+                nbytes //= 2
+
+    def release_reserve(self) -> bool:
+        """Give the reserved space back to the filesystem. True if there was a reserve."""
+        try:
+            self.reserve.unlink()
+        except FileNotFoundError:
+            return False
+        return True
 
     @property
     def segment_path(self) -> Path:
@@ -142,6 +180,7 @@ class SpoolWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self.release_reserve()
 
 
 @dataclass(frozen=True, slots=True)

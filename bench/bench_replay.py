@@ -1,0 +1,1385 @@
+"""Replay speed and time to the first divergence: ``fsdp-replay replay`` and ``fsdp-replay diff``.
+
+Two measurements of the issue, run side by side in one invocation:
+
+1. **Replay step time vs. recorded step time.** ``examples/train_fsdp.py`` (default model, CPU,
+   gloo, ``OMP_NUM_THREADS=1``) is recorded with ``fsdp-replay record --payloads all
+   --snapshot-every 10`` on 2 ranks; then rank 0 and rank 1 are each replayed alone
+   (``fsdp-replay replay DIR --rank R``). The recorded step time comes from the timestamps of
+   rank 0's ``step N loss X lr Y`` stdout lines during the recording; the replay step time from
+   the timestamps of the replay's ``[fsdp-replay] rank R: step N/M verified`` stderr lines; both
+   are the median of the gaps between consecutive lines after ``--warmup-steps`` steps, exactly as
+   ``bench_record.py`` measures. The recorded run has two ranks sharing the machine's cores while
+   a replay is one process: that is what a user gets (one rank of an N-rank job replayed on one
+   device), but it is not apples to apples, so a 1-rank recording (``--nproc_per_node 1``) and
+   its replay are measured as well. Every repetition records and replays afresh, in the order
+   record (2 ranks), replay rank 0, replay rank 1, record (1 rank), replay (the two groups swap
+   places every repetition), so machine noise and drift hit the recorded and the replayed runs
+   alike; the ratios are paired within a repetition.
+
+2. **Time to the first divergence in a 1,000-step trace.** A tiny model (so 1,000 steps take
+   well under a minute) is recorded twice with ``--payloads none``: clean, and with
+   ``--wallclock-noise-at-step 900 --noise-rank 1`` (rank 1's loss at step 900 depends on the
+   wall clock). ``fsdp-replay diff CLEAN NOISY --json`` must find rank 1, step 900; its whole
+   process is timed (wall clock, Python start-up included). A third recording of the noisy run
+   keeps payloads only for steps 890-910 and a snapshot every 100 steps, and
+   ``fsdp-replay replay --rank 1 --from-step 900`` is timed as well: it restores the snapshot of
+   step 900 only after running steps 0-899 unverified (fast-forward: the program still computes
+   them), and the time is split into start-up, fast-forward and the rest.
+
+Every run is checked before it counts (exit codes, every step line, ``inspect --json`` of every
+trace, ``report.json`` of every replay: bit-exact over every step where expected; the diverging
+diff and replay must name rank 1, step 900). Any failure stops the benchmark with exit code 1
+and keeps the folders of the runs.
+
+Results: ``bench/results/replay.{md,json}`` (``--quick``: ``replay.quick.*``, so a smoke run
+never overwrites a real measurement). See ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "train_fsdp.py"
+RESULTS_DIR = REPO / "bench" / "results"
+
+TARGET_RATIO = 1.0
+TARGET_RATIO_TEXT = "single-rank replay step time / recorded step time <= 1.0"
+TARGET_DIVERGENCE_S = 10.0
+TARGET_DIVERGENCE_TEXT = "time to the first divergence in a 1,000-step trace < 10 s"
+NOISY_FRACTION = 0.05  # other processes using more than this share of the CPUs make a run noisy
+TINY_MODEL = ("--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "2")
+TINY_ARGS = (*TINY_MODEL, "--workers", "0", "--grad-accum", "1", "--cpu")
+NOISE_RANK = 1
+
+STEP_RE = re.compile(r"^step (\d+) loss (\S+) lr (\S+)$")
+PROGRESS_RE = re.compile(
+    r"^\[fsdp-replay\] rank (\d+): step (\d+)/(\d+) (verified|fast-forward) \((\d+) collectives verified\)$"
+)
+COLLECT_RE = re.compile(r"trace written to (.+) in ([0-9.]+)s")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# -- helpers (as in bench_record.py; each benchmark is one self-contained script) ------------------
+def quantiles(xs: list[float]) -> tuple[float, float, float]:
+    """(q1, median, q3); degenerate inputs give the value itself."""
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def spread(xs: list[float]) -> dict[str, Any]:
+    """median, min, max and interquartile range of xs (an empty list gives NaNs)."""
+    if not xs:
+        nan = float("nan")
+        return {"n": 0, "median": nan, "min": nan, "max": nan, "iqr": [nan, nan], "values": []}
+    q1, q2, q3 = quantiles(xs)
+    return {"n": len(xs), "median": q2, "min": min(xs), "max": max(xs), "iqr": [q1, q3], "values": xs}
+
+
+def tree_bytes(path: Path) -> int:
+    size = 0
+    if not path.exists():
+        return 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            size += os.lstat(os.path.join(root, f)).st_size
+    return size
+
+
+def cpu_times() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return 0.0, 0.0
+    v = [int(x) for x in fields] + [0] * 10
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+def example_defaults() -> dict[str, Any]:
+    """The example's Config defaults, read from its source (no torch import)."""
+    try:
+        tree = ast.parse(EXAMPLE.read_text())
+    except (OSError, SyntaxError):
+        return {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "Config":
+            out: dict[str, Any] = {}
+            for stmt in node.body:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value:
+                    with contextlib.suppress(ValueError):
+                        out[stmt.target.id] = ast.literal_eval(stmt.value)
+            return out
+    return {}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def version_of(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def git_commit() -> str | None:
+    try:  # read-only
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "nproc": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": version_of("torch"),
+        "fsdp_replay": version_of("fsdp-replay"),
+        "git_commit": git_commit(),
+        "hostname": platform.node(),
+    }
+
+
+def run_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_REPLAY_")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def fmt_ms(x: float) -> str:
+    return "-" if x != x else f"{x * 1e3:.1f}"  # NaN: not measured
+
+
+def fmt_s(x: float, digits: int = 1) -> str:
+    return "-" if x != x else f"{x:.{digits}f}"
+
+
+def fmt_bytes(x: float | None) -> str:
+    if x is None:
+        return "-"
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= k:
+            return f"{x / k:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+# -- running one command ---------------------------------------------------------------------------
+@dataclass
+class Proc:
+    """One finished command; line timestamps are ns since the command started."""
+
+    cmd: list[str]
+    code: int
+    wall_s: float
+    cpu_s: float
+    other_cpu_frac: float
+    steal_frac: float
+    out: list[tuple[int, str]]
+    err: list[tuple[int, str]]
+    exit_ns: int
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """End the process this script started (fsdp-replay forwards the signal to its command)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session, started by us
+        proc.wait()
+
+
+def execute(cmd: list[str], timeout_s: float, echo: bool) -> Proc:
+    """Run cmd, timestamping every stdout and stderr line as it arrives."""
+    out: list[tuple[int, str]] = []
+    err: list[tuple[int, str]] = []
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy0, steal0 = cpu_times()
+    t0 = time.perf_counter_ns()
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+
+    def drain(stream: Any, sink: list[tuple[int, str]], mark: str) -> None:
+        for raw in iter(stream.readline, b""):
+            now = time.perf_counter_ns() - t0
+            line = raw.decode(errors="replace").rstrip("\n")
+            sink.append((now, line))
+            if echo:
+                print(f"    {mark} {line}", flush=True)
+
+    readers = [
+        threading.Thread(target=drain, args=(proc.stdout, out, "|"), daemon=True),
+        threading.Thread(target=drain, args=(proc.stderr, err, "!"), daemon=True),
+    ]
+    for r in readers:
+        r.start()
+    timer = threading.Timer(timeout_s, stop, args=(proc,))
+    timer.start()
+    try:
+        code = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            stop(proc)
+    exit_ns = time.perf_counter_ns() - t0
+    for r in readers:
+        r.join(10)
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy1, steal1 = cpu_times()
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    wall = exit_ns / 1e9
+    capacity = wall * (os.cpu_count() or 1)
+    other = max(0.0, (busy1 - busy0) - cpu) / capacity
+    steal = (steal1 - steal0) / capacity
+    code = 128 - code if code < 0 else code
+    return Proc(cmd, code, wall, cpu, other, steal, out, err, exit_ns)
+
+
+def step_lines(proc: Proc) -> tuple[dict[int, int], list[str], list[str]]:
+    """Rank 0's ``step N loss X lr Y`` stdout lines: (step -> arrival ns, losses, problems)."""
+    arrivals: dict[int, int] = {}
+    losses: list[str] = []
+    problems: list[str] = []
+    for ns, line in proc.out:
+        m = STEP_RE.match(line)
+        if m:
+            n = int(m.group(1))
+            if n in arrivals:
+                problems.append(f"step {n} printed twice")
+            arrivals.setdefault(n, ns)
+            losses.append(m.group(2))
+    return arrivals, losses, problems
+
+
+def progress_lines(proc: Proc, rank: int) -> tuple[dict[int, int], dict[int, str], list[str]]:
+    """The replay's ``[fsdp-replay] rank R: step N/M verified|fast-forward`` stderr lines:
+    (step -> arrival ns, step -> state, problems)."""
+    arrivals: dict[int, int] = {}
+    states: dict[int, str] = {}
+    problems: list[str] = []
+    for ns, line in proc.err:
+        m = PROGRESS_RE.match(line)
+        if not m:
+            continue
+        if int(m.group(1)) != rank:
+            problems.append(f"progress line of rank {m.group(1)} in the replay of rank {rank}")
+        n = int(m.group(2))
+        if n in arrivals:
+            problems.append(f"progress line of step {n} printed twice")
+        arrivals.setdefault(n, ns)
+        states.setdefault(n, m.group(4))
+    return arrivals, states, problems
+
+
+def gaps(arrivals: dict[int, int], first: int, last: int) -> list[float]:
+    """Seconds between the lines of steps n-1 and n, for n in first..last."""
+    return [
+        (arrivals[n] - arrivals[n - 1]) / 1e9
+        for n in range(max(first, 1), last + 1)
+        if n in arrivals and n - 1 in arrivals
+    ]
+
+
+def missing_steps(arrivals: dict[int, int], steps: int) -> list[int]:
+    return [n for n in range(steps) if n not in arrivals]
+
+
+def short(xs: list[int]) -> str:
+    return f"{xs[:10]}{' ...' if len(xs) > 10 else ''}"
+
+
+def tail(proc: Proc, n: int = 40) -> str:
+    return "\n".join(line for _ns, line in proc.err[-n:])
+
+
+# -- runs ------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    name: str  # record-2r, replay-2r-r0, replay-2r-r1, record-1r, replay-1r-r0, ...
+    kind: str  # record | replay | diff
+    rep: int
+    rank: int | None
+    exit_code: int
+    wall_s: float
+    cpu_s: float
+    other_cpu_frac: float
+    steal_frac: float
+    step_times_s: list[float] = field(default_factory=list)
+    step_median_s: float = float("nan")
+    step_mean_s: float = float("nan")
+    first_line_s: float = float("nan")  # command start -> first step line (start-up)
+    after_last_line_s: float = float("nan")  # last step line -> exit (teardown, collector, report)
+    losses: list[str] = field(default_factory=list)  # printed by rank 0 (recordings, replays of rank 0)
+    collector_s: float | None = None  # record: "trace written to ... in X s"
+    trace_bytes: int | None = None
+    report: dict[str, Any] | None = None  # replay: the interesting part of report.json
+    extra: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def base_run(name: str, kind: str, rep: int, rank: int | None, proc: Proc) -> Run:
+    return Run(
+        name=name,
+        kind=kind,
+        rep=rep,
+        rank=rank,
+        exit_code=proc.code,
+        wall_s=proc.wall_s,
+        cpu_s=proc.cpu_s,
+        other_cpu_frac=proc.other_cpu_frac,
+        steal_frac=proc.steal_frac,
+    )
+
+
+def set_step_times(run: Run, arrivals: dict[int, int], steps: int, warmup: int, exit_ns: int) -> None:
+    times = gaps(arrivals, warmup, steps - 1)
+    run.step_times_s = times
+    if times:
+        run.step_median_s = statistics.median(times)
+        run.step_mean_s = statistics.fmean(times)
+    else:
+        run.problems.append("no step time measured")
+    if arrivals:
+        run.first_line_s = min(arrivals.values()) / 1e9
+        run.after_last_line_s = (exit_ns - max(arrivals.values())) / 1e9
+
+
+def train_command(nproc: int, train_args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        str(EXAMPLE.relative_to(REPO)),
+        *train_args,
+    ]
+
+
+def check_trace(
+    run_dir: Path, nproc: int, steps: int, payloads: str, snapshot_every: int
+) -> tuple[dict[str, Any], list[str]]:
+    """Check a recording through ``fsdp-replay inspect --json``. payloads: all, none or steps:A-B."""
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_replay", "inspect", str(run_dir), "--json"],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if out.returncode != 0:
+        return {}, [f"inspect exited with {out.returncode}: {out.stderr.strip()[-2000:]}"]
+    try:
+        summary = json.loads(out.stdout)
+    except json.JSONDecodeError as e:
+        return {}, [f"inspect printed no JSON: {e}"]
+    problems: list[str] = []
+    if summary.get("world_size") != nproc or sorted(summary.get("ranks", [])) != list(range(nproc)):
+        problems.append(
+            f"world_size {summary.get('world_size')}, ranks {summary.get('ranks')} (expected {nproc})"
+        )
+    if summary.get("missing_ranks"):
+        problems.append(f"missing ranks {summary['missing_ranks']}")
+    want_snaps = sorted({0, *range(snapshot_every, steps + 1, snapshot_every)}) if snapshot_every else [0]
+    for r in summary.get("per_rank", []):
+        rk = r.get("rank")
+        if r.get("steps") != steps:
+            problems.append(f"rank {rk}: {r.get('steps')} steps in the trace, expected {steps}")
+        if not r.get("complete"):
+            problems.append(f"rank {rk}: incomplete (no clean end record)")
+        for key in ("damage", "agent_errors"):
+            if r.get(key):
+                problems.append(f"rank {rk}: {key} {r[key]}")
+        if r.get("payload_missing"):
+            problems.append(f"rank {rk}: {r['payload_missing']} payloads missing")
+        counters = (r.get("end") or {}).get("counters") or {}
+        for key in ("events_dropped", "blobs_dropped", "write_errors", "agent_errors"):
+            if counters.get(key):
+                problems.append(f"rank {rk}: counter {key} = {counters[key]}")
+        cov = r.get("payload_coverage") or {}
+        stored, outputs = cov.get("with_payload"), cov.get("outputs")
+        if payloads == "all" and stored != outputs:
+            problems.append(f"rank {rk}: payloads for {stored} of {outputs} outputs with --payloads all")
+        elif payloads == "none" and stored:
+            problems.append(f"rank {rk}: {stored} payloads stored with --payloads none")
+        elif payloads.startswith("steps:"):
+            window = payloads.split(":", 1)[1]
+            if not stored or stored >= (outputs or 0) or cov.get("steps") != window:
+                problems.append(
+                    f"rank {rk}: payload coverage {cov} (expected some outputs, steps {window}, with {payloads})"
+                )
+        snaps = sorted(r.get("snapshots") or [])
+        if snaps != want_snaps:
+            problems.append(f"rank {rk}: snapshots at steps {snaps}, expected {want_snaps}")
+    return summary, problems
+
+
+def record(
+    name: str,
+    rep: int,
+    run_dir: Path,
+    nproc: int,
+    train_args: list[str],
+    steps: int,
+    warmup: int,
+    payloads: str,
+    snapshot_every: int,
+    timeout_s: float,
+    echo: bool,
+) -> Run:
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    rec_args = ["--payloads", payloads]
+    if snapshot_every:
+        rec_args += ["--snapshot-every", str(snapshot_every)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsdp_replay",
+        "record",
+        "--out",
+        str(run_dir),
+        *rec_args,
+        "--",
+        *train_command(nproc, train_args),
+    ]
+    proc = execute(cmd, timeout_s, echo)
+    run = base_run(name, "record", rep, None, proc)
+    arrivals, run.losses, run.problems = step_lines(proc)
+    if proc.code != 0:
+        run.problems.append(f"exit code {proc.code}")
+    missing = missing_steps(arrivals, steps)
+    if missing:
+        run.problems.append(f"rank 0 printed no line for steps {short(missing)}")
+    set_step_times(run, arrivals, steps, warmup, proc.exit_ns)
+    for _ns, line in proc.err:
+        m = COLLECT_RE.search(line)
+        if m:
+            run.collector_s = float(m.group(2))
+    if run.collector_s is None:
+        run.problems.append("record printed no 'trace written to ... in X s' line")
+    run.trace_bytes = tree_bytes(run_dir / "trace.zarr")
+    if not run.problems:
+        _summary, trace_problems = check_trace(run_dir, nproc, steps, payloads, snapshot_every)
+        run.problems += trace_problems
+    run.extra["command"] = shlex.join(cmd)
+    if run.problems:
+        run.problems.append(f"command: {shlex.join(cmd)}\nstderr tail:\n{tail(proc)}")
+    return run
+
+
+REPORT_KEYS = (
+    "status",
+    "reason",
+    "rank",
+    "from_step",
+    "restored_snapshot",
+    "collectives_verified",
+    "recorded_steps",
+    "recorded_collectives",
+    "replayed_collectives",
+    "first_divergence",
+    "data_differences",
+    "notes",
+    "seconds",
+)
+
+
+def replay(
+    name: str,
+    rep: int,
+    run_dir: Path,
+    rank: int,
+    steps: int,
+    warmup: int,
+    timeout_s: float,
+    echo: bool,
+    from_step: int | None = None,
+) -> tuple[Run, Proc]:
+    """Replay one rank; check only that it produced a report (the caller checks the outcome)."""
+    report_dir = run_dir / "replays" / f"{name}-rank{rank}"
+    if report_dir.exists():
+        shutil.rmtree(report_dir)
+    cmd = [sys.executable, "-m", "fsdp_replay", "replay", str(run_dir), "--rank", str(rank)]
+    if from_step is not None:
+        cmd += ["--from-step", str(from_step)]
+    cmd += ["--report", str(report_dir)]
+    proc = execute(cmd, timeout_s, echo)
+    run = base_run(name, "replay", rep, rank, proc)
+    arrivals, states, run.problems = progress_lines(proc, rank)
+    _out_arrivals, run.losses, out_problems = step_lines(proc)
+    run.problems += out_problems
+    first = from_step or 0
+    # step times over the verified steps only (a --from-step replay fast-forwards the ones before)
+    verified = {n: t for n, t in arrivals.items() if states.get(n) == "verified"}
+    set_step_times(run, verified, steps, first + warmup, proc.exit_ns)
+    run.problems = [p for p in run.problems if p != "no step time measured"]  # judged by the caller
+    if arrivals:  # start-up: to the first progress line, verified or fast-forward
+        run.first_line_s = min(arrivals.values()) / 1e9
+        run.after_last_line_s = (proc.exit_ns - max(arrivals.values())) / 1e9
+    run.extra["command"] = shlex.join(cmd)
+    run.extra["progress_states"] = {
+        s: sum(1 for v in states.values() if v == s) for s in ("verified", "fast-forward")
+    }
+    run.extra["progress_steps"] = sorted(arrivals)
+    run.extra["arrivals_ns"] = arrivals
+    run.extra["states"] = states
+    path = report_dir / "report.json"
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        run.problems.append(f"no readable {path}: {e}")
+        report = {}
+    run.report = {k: report.get(k) for k in REPORT_KEYS}
+    run.report["verified_steps"] = report.get("verified_steps")
+    return run, proc
+
+
+def fail_if(run: Run, proc: Proc | None = None) -> None:
+    if run.problems:
+        if proc is not None:
+            run.problems.append(f"command: {shlex.join(proc.cmd)}\nstderr tail:\n{tail(proc)}")
+        raise BenchError(f"run {run.name} (rep {run.rep}) is broken:\n  - " + "\n  - ".join(run.problems))
+
+
+def check_bit_exact(run: Run, proc: Proc, steps: int) -> None:
+    """A whole replay must verify every step and say bit-exact, exit 0."""
+    rep = run.report or {}
+    if proc.code != 0:
+        run.problems.append(f"exit code {proc.code} (0 = bit-exact expected)")
+    if rep.get("status") != "bit-exact":
+        run.problems.append(f"report status {rep.get('status')!r} (bit-exact expected): {rep.get('reason')}")
+    if rep.get("verified_steps") != list(range(steps)):
+        run.problems.append(
+            f"report verified_steps {short(rep.get('verified_steps') or [])}, expected 0..{steps - 1}"
+        )
+    states = run.extra["states"]
+    missing = missing_steps(run.extra["arrivals_ns"], steps)
+    if missing:
+        run.problems.append(f"no progress line for steps {short(missing)}")
+    not_verified = sorted(n for n, s in states.items() if s != "verified")
+    if not_verified:
+        run.problems.append(f"steps {short(not_verified)} not 'verified' in the progress lines")
+    if not run.step_times_s:
+        run.problems.append("no step time measured")
+
+
+def check_losses(run: Run, recorded: Run) -> None:
+    """The replay of rank 0 prints the same losses as the recording (its all-reduce comes from the trace)."""
+    if run.losses != recorded.losses:
+        i = next(
+            (i for i, (a, b) in enumerate(zip(run.losses, recorded.losses, strict=False)) if a != b),
+            min(len(run.losses), len(recorded.losses)),
+        )
+        run.problems.append(
+            f"printed losses differ from the recording's from line {i} "
+            f"({len(run.losses)} vs {len(recorded.losses)} lines)"
+        )
+
+
+def cleanup(run_dir: Path, keep: bool) -> None:
+    if not keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def rest(cooldown: float) -> None:
+    os.sync()  # the next run must not pay for this run's write-back
+    time.sleep(cooldown)
+
+
+# -- part 1: replay speed --------------------------------------------------------------------------
+def part_speed(args: argparse.Namespace, work: Path, log: Any) -> tuple[list[Run], list[str]]:
+    steps, warmup, reps = args.steps, args.warmup_steps, args.reps
+    train_args = ["--cpu", "--steps", str(steps), *shlex.split(args.train_args)]
+    runs: list[Run] = []
+    checks: list[str] = []
+    reference: dict[int, list[str]] = {}  # nproc -> losses of the first recording
+
+    def group(nproc: int, rep: int) -> None:
+        tag = f"{nproc}r"
+        run_dir = work / f"speed-{tag}-rep{rep}"
+        rec = record(
+            f"record-{tag}",
+            rep,
+            run_dir,
+            nproc,
+            train_args,
+            steps,
+            warmup,
+            "all",
+            args.snapshot_every,
+            args.timeout,
+            args.verbose,
+        )
+        if nproc in reference and rec.losses != reference[nproc]:
+            rec.problems.append(
+                "printed losses differ from the first recording's (the run is not deterministic)"
+            )
+        fail_if(rec)
+        reference.setdefault(nproc, rec.losses)
+        runs.append(rec)
+        log(rec)
+        rest(args.cooldown)
+        for rank in range(nproc):
+            rp, proc = replay(
+                f"replay-{tag}-r{rank}", rep, run_dir, rank, steps, warmup, args.timeout, args.verbose
+            )
+            check_bit_exact(rp, proc, steps)
+            if rank == 0:
+                check_losses(rp, rec)
+            fail_if(rp, proc)
+            runs.append(rp)
+            log(rp)
+            rest(args.cooldown)
+        cleanup(run_dir, args.keep)
+
+    for rep in range(reps):
+        order = [2, 1] if rep % 2 == 0 else [1, 2]
+        for nproc in order:
+            group(nproc, rep)
+    checks += [
+        f"{2 * reps} recordings ({reps} x 2 ranks, {reps} x 1 rank, --payloads all --snapshot-every "
+        f"{args.snapshot_every}): exit 0, rank 0 printed every step, `inspect --json` shows every rank complete "
+        "with all steps, no damage/agent errors/drops, payloads for every collective output, the expected snapshots",
+        "printed losses identical in every repetition (per world size)",
+        f"{3 * reps} whole replays (rank 0 and rank 1 of each 2-rank trace, rank 0 of each 1-rank trace): exit 0, "
+        f"report.json status bit-exact with verified_steps = 0..{steps - 1}, a `verified` progress line for "
+        "every step",
+        "the replays of rank 0 printed the same `step N loss X lr Y` lines as the recording",
+    ]
+    return runs, checks
+
+
+def summarize_speed(runs: list[Run]) -> dict[str, Any]:
+    by = {(r.name, r.rep): r for r in runs}
+    names = ["record-2r", "replay-2r-r0", "replay-2r-r1", "record-1r", "replay-1r-r0"]
+    reference = {"replay-2r-r0": "record-2r", "replay-2r-r1": "record-2r", "replay-1r-r0": "record-1r"}
+    out: dict[str, Any] = {}
+    for name in names:
+        rs = [r for r in runs if r.name == name]
+        if not rs:
+            continue
+        s: dict[str, Any] = {
+            "runs": len(rs),
+            "step_median_s": spread([r.step_median_s for r in rs]),
+            "step_mean_s": spread([r.step_mean_s for r in rs]),
+            "wall_s": spread([r.wall_s for r in rs]),
+            "first_line_s": spread([r.first_line_s for r in rs]),
+            "after_last_line_s": spread([r.after_last_line_s for r in rs]),
+            "cpu_s": spread([r.cpu_s for r in rs]),
+        }
+        if name in reference:
+            ref = reference[name]
+            pairs = [(r, by[(ref, r.rep)]) for r in rs if (ref, r.rep) in by]
+            s["versus"] = ref
+            s["ratio_paired"] = spread([r.step_median_s / b.step_median_s for r, b in pairs])
+            s["ratio_mean_paired"] = spread([r.step_mean_s / b.step_mean_s for r, b in pairs])
+            s["ratio_wall_paired"] = spread([r.wall_s / b.wall_s for r, b in pairs])
+            s["report_seconds"] = spread([float((r.report or {}).get("seconds") or "nan") for r in rs])
+        else:
+            s["collector_s"] = spread([r.collector_s or 0.0 for r in rs])
+            s["trace_bytes"] = spread([float(r.trace_bytes or 0) for r in rs])
+        out[name] = s
+    return out
+
+
+# -- part 2: time to the first divergence ----------------------------------------------------------
+def part_divergence(
+    args: argparse.Namespace, work: Path, log: Any
+) -> tuple[dict[str, Any], list[Run], list[str]]:
+    n, k = args.long_steps, args.noise_step
+    lo, hi = max(0, k - 10), min(n - 1, k + 10)
+    window = f"steps:{lo}-{hi}"
+    snap_every = args.long_snapshot_every
+    base = [*TINY_ARGS, "--steps", str(n)]
+    noise = ["--wallclock-noise-at-step", str(k), "--noise-rank", str(NOISE_RANK)]
+    runs: list[Run] = []
+    checks: list[str] = []
+    dirs = {x: work / f"long-{x}" for x in ("clean", "noisy", "noisy-window")}
+    warm = args.warmup_steps
+
+    clean = record(
+        "record-long-clean", 0, dirs["clean"], 2, base, n, warm, "none", 0, args.timeout, args.verbose
+    )
+    fail_if(clean)
+    runs.append(clean)
+    log(clean)
+    rest(args.cooldown)
+    noisy = record(
+        "record-long-noisy",
+        0,
+        dirs["noisy"],
+        2,
+        [*base, *noise],
+        n,
+        warm,
+        "none",
+        0,
+        args.timeout,
+        args.verbose,
+    )
+    if noisy.losses[:k] != clean.losses[:k]:
+        noisy.problems.append(f"printed losses differ from the clean run's before step {k}")
+    fail_if(noisy)
+    runs.append(noisy)
+    log(noisy)
+    printed_diff = next(
+        (i for i, (a, b) in enumerate(zip(noisy.losses, clean.losses, strict=False)) if a != b), None
+    )
+    rest(args.cooldown)
+
+    # diff: the whole CLI process, timed by wall clock
+    diff_runs: list[dict[str, Any]] = []
+    diff_cmd = [sys.executable, "-m", "fsdp_replay", "diff", str(dirs["clean"]), str(dirs["noisy"]), "--json"]
+    for i in range(args.diff_reps):
+        proc = execute(diff_cmd, args.timeout, False)
+        problems: list[str] = []
+        res: dict[str, Any] = {}
+        try:
+            res = json.loads("\n".join(line for _ns, line in proc.out))
+        except json.JSONDecodeError as e:
+            problems.append(f"diff printed no JSON: {e}")
+        first = res.get("first") or {}
+        per_rank = {pr.get("rank"): pr for pr in res.get("ranks", [])}
+        r1_first = (per_rank.get(NOISE_RANK) or {}).get("first") or {}
+        if proc.code != 1:
+            problems.append(f"diff exit code {proc.code} (1 = divergence found expected)")
+        if not res.get("diverged"):
+            problems.append("diff found no divergence")
+        if first.get("rank") != NOISE_RANK or first.get("step") != k:
+            problems.append(f"diff's first divergence is rank {first.get('rank')} step {first.get('step')}")
+        if r1_first.get("step") != k:
+            problems.append(f"diff's first divergence on rank {NOISE_RANK} is at step {r1_first.get('step')}")
+        entry = {
+            "i": i,
+            "wall_s": proc.wall_s,
+            "cpu_s": proc.cpu_s,
+            "exit_code": proc.code,
+            "other_cpu_frac": proc.other_cpu_frac,
+            "steal_frac": proc.steal_frac,
+            "message": res.get("message"),
+            "first": {kk: first.get(kk) for kk in ("rank", "kind", "step", "micro", "seq", "op")},
+            "ranks_diverged_at": {
+                str(r): ((pr.get("first") or {}).get("step")) for r, pr in per_rank.items()
+            },
+        }
+        diff_runs.append(entry)
+        print(
+            f"  diff #{i}: {proc.wall_s:.2f} s wall, exit {proc.code}: {res.get('message')}",
+            flush=True,
+        )
+        if problems:
+            raise BenchError(
+                "diff is broken:\n  - "
+                + "\n  - ".join(problems)
+                + f"\ncommand: {shlex.join(diff_cmd)}\nstderr tail:\n{tail(proc)}"
+            )
+        time.sleep(args.cooldown)
+
+    win = record(
+        "record-long-window",
+        0,
+        dirs["noisy-window"],
+        2,
+        [*base, *noise],
+        n,
+        warm,
+        window,
+        snap_every,
+        args.timeout,
+        args.verbose,
+    )
+    fail_if(win)
+    runs.append(win)
+    log(win)
+    rest(args.cooldown)
+    restore = max(s for s in range(0, k + 1, snap_every)) if snap_every else 0
+
+    replays: list[Run] = []
+    for rep in range(args.long_reps):
+        rp, proc = replay(
+            "replay-long-from", rep, dirs["noisy-window"], NOISE_RANK, n, warm, args.timeout, args.verbose, k
+        )
+        report = rp.report or {}
+        fd = report.get("first_divergence") or {}
+        if proc.code != 1:
+            rp.problems.append(f"exit code {proc.code} (1 = diverged expected)")
+        if report.get("status") != "diverged":
+            rp.problems.append(
+                f"report status {report.get('status')!r} (diverged expected): {report.get('reason')}"
+            )
+        if fd.get("rank") != NOISE_RANK or fd.get("step") != k:
+            rp.problems.append(f"first divergence at rank {fd.get('rank')} step {fd.get('step')}")
+        if report.get("restored_snapshot") != (restore or None):
+            rp.problems.append(f"restored snapshot {report.get('restored_snapshot')}, expected {restore}")
+        arrivals: dict[int, int] = rp.extra["arrivals_ns"]
+        states: dict[int, str] = rp.extra["states"]
+        ff = sorted(s for s, v in states.items() if v == "fast-forward")
+        if ff != list(range(restore)):
+            rp.problems.append(
+                f"fast-forward progress lines for steps {short(ff)}, expected 0..{restore - 1}"
+            )
+        fail_if(rp, proc)
+        # where the time goes: start-up (to the end of step 0), fast-forward, the rest
+        t_first = arrivals[0] / 1e9 if 0 in arrivals else float("nan")
+        t_last_ff = arrivals[ff[-1]] / 1e9 if ff else t_first
+        ff_gaps = gaps({s: arrivals[s] for s in ff}, 1, len(ff) - 1) if ff else []
+        rp.extra.update(
+            startup_to_step0_s=t_first,
+            fast_forward_s=t_last_ff - t_first,
+            fast_forward_steps=len(ff),
+            fast_forward_step_median_s=statistics.median(ff_gaps) if ff_gaps else float("nan"),
+            after_fast_forward_s=proc.exit_ns / 1e9 - t_last_ff,
+        )
+        replays.append(rp)
+        runs.append(rp)
+        log(rp)
+        rest(args.cooldown)
+
+    for d in dirs.values():
+        cleanup(d, args.keep)
+
+    checks += [
+        f"3 recordings of {n} steps (tiny model): exit 0, rank 0 printed every step, `inspect --json` complete "
+        f"with all steps and no damage/errors/drops; no payloads with --payloads none, payloads only for "
+        f"{window} (and snapshots every {snap_every} steps) in the third",
+        f"the noisy run printed the same losses as the clean one before step {k}",
+        f"every `diff` exited 1 and named rank {NOISE_RANK} step {k} as the first divergence",
+        f"every `replay --rank {NOISE_RANK} --from-step {k}` exited 1 with status diverged, first divergence at "
+        f"rank {NOISE_RANK} step {k}, restored the snapshot of step {restore} and printed a fast-forward line "
+        f"for each of steps 0..{restore - 1}",
+    ]
+    summary = {
+        "steps": n,
+        "noise_step": k,
+        "noise_rank": NOISE_RANK,
+        "payload_window": window,
+        "snapshot_every": snap_every,
+        "restored_snapshot": restore,
+        "first_printed_loss_difference_step": printed_diff,
+        "recorded_step_median_s": {r.name: r.step_median_s for r in (clean, noisy, win)},
+        "recording_wall_s": {r.name: r.wall_s for r in (clean, noisy, win)},
+        "trace_bytes": {r.name: r.trace_bytes for r in (clean, noisy, win)},
+        "diff_command": shlex.join(diff_cmd),
+        "diff": diff_runs,
+        "diff_wall_s": spread([d["wall_s"] for d in diff_runs]),
+        "diff_cpu_s": spread([d["cpu_s"] for d in diff_runs]),
+        "replay_command": replays[0].extra["command"] if replays else None,
+        "replay_wall_s": spread([r.wall_s for r in replays]),
+        "replay_report_seconds": spread([float((r.report or {}).get("seconds") or "nan") for r in replays]),
+        "replay_startup_to_step0_s": spread([r.extra["startup_to_step0_s"] for r in replays]),
+        "replay_fast_forward_s": spread([r.extra["fast_forward_s"] for r in replays]),
+        "replay_fast_forward_step_median_s": spread([r.extra["fast_forward_step_median_s"] for r in replays]),
+        "replay_after_fast_forward_s": spread([r.extra["after_fast_forward_s"] for r in replays]),
+        "replay_first_divergence": (replays[0].report or {}).get("first_divergence") if replays else None,
+    }
+    return summary, runs, checks
+
+
+# -- verdicts --------------------------------------------------------------------------------------
+def ratio_verdict(name: str, target: str, s: dict[str, Any] | None, quick: bool) -> dict[str, Any]:
+    if s is None:
+        return {"target": target, "result": "NOT MEASURED"}
+    r = s["ratio_paired"]
+    q1, q3 = r["iqr"]
+    if r["n"] < 3:
+        confidence = f"not assessable from {r['n']} repetition(s)"
+    elif q3 <= TARGET_RATIO or q1 > TARGET_RATIO:
+        confidence = "clear: the interquartile range of the paired ratios is on one side of the target"
+    else:
+        confidence = "within noise: the interquartile range of the paired ratios straddles the target"
+    return {
+        "target": target,
+        "what": name,
+        "max_ratio": TARGET_RATIO,
+        "measured": r["median"],
+        "statistic": "median over repetitions of (replay's median step / the same repetition's recorded median step)",
+        "result": ("PASS" if r["median"] <= TARGET_RATIO else "FAIL")
+        + (" (quick smoke run: not a measurement)" if quick else ""),
+        "confidence": confidence,
+    }
+
+
+def time_verdict(what: str, s: dict[str, Any], steps: int, quick: bool) -> dict[str, Any]:
+    caveat = []
+    if steps != 1000:
+        caveat.append(f"a {steps}-step trace, not the target's 1,000")
+    if quick:
+        caveat.append("quick smoke run: not a measurement")
+    return {
+        "target": TARGET_DIVERGENCE_TEXT,
+        "what": what,
+        "max_s": TARGET_DIVERGENCE_S,
+        "measured": s["median"],
+        "worst": s["max"],
+        "statistic": f"median wall time of the whole command over {s['n']} run(s)",
+        "result": ("PASS" if s["median"] < TARGET_DIVERGENCE_S else "FAIL")
+        + (f" ({'; '.join(caveat)})" if caveat else ""),
+        "confidence": "clear"
+        if s["max"] < TARGET_DIVERGENCE_S or s["min"] >= TARGET_DIVERGENCE_S
+        else "within noise",
+    }
+
+
+# -- report ----------------------------------------------------------------------------------------
+def fmt_spread_ms(s: dict[str, Any]) -> str:
+    return f"{fmt_ms(s['median'])} ({fmt_ms(s['min'])}-{fmt_ms(s['max'])})"
+
+
+def fmt_spread_s(s: dict[str, Any], digits: int = 1) -> str:
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def fmt_ratio(s: dict[str, Any]) -> str:
+    q1, q3 = s["iqr"]
+    return f"{s['median']:.3f} [{q1:.3f}, {q3:.3f}] ({s['min']:.3f}-{s['max']:.3f})"
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    m, p = doc["machine"], doc["parameters"]
+    lines = [
+        "# Replay speed and time to the first divergence: `fsdp-replay replay` / `diff` on `examples/train_fsdp.py`",
+        "",
+        f"- Produced by: `{doc['command_line']}` (in `{doc['cwd']}`)",
+        f"- Date: {doc['date']} (took {doc['elapsed_s'] / 60:.1f} min)",
+        f"- Machine: {m['nproc']} CPUs ({m['cpus_usable']} usable), {m['cpu_model']}; {m['platform']}; "
+        f"Python {m['python']}, torch {m['torch']}, fsdp-replay {m['fsdp_replay']}, commit {m['git_commit']}",
+        f"- Load average before / after: {doc['loadavg_before']} / {doc['loadavg_after']}",
+        "- OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1 for every command"
+        + (" (QUICK smoke run: too few steps and repetitions to be trustworthy)" if p["quick"] else ""),
+        "",
+        "## Targets",
+        "",
+    ]
+    for v in doc["verdicts"]:
+        if "max_ratio" in v:
+            detail = f"{v['what']}: {v['measured']:.3f} vs <= {v['max_ratio']}; {v['confidence']}"
+        elif "max_s" in v:
+            detail = f"{v['what']}: {v['measured']:.2f} s (worst {v['worst']:.2f} s) vs < {v['max_s']:.0f} s"
+        else:
+            detail = ""
+        lines.append(f"- {v['target']} -> **{v['result']}** ({detail})")
+    lines.append("")
+    if doc["speed"]["summary"]:
+        lines += speed_section(doc)
+    if doc["divergence"]:
+        lines += divergence_section(doc)
+    lines += ["## Checks (all passed; any failure stops the benchmark)", ""]
+    lines += [f"- {c}" for c in doc["checks"]]
+    lines += runs_section(doc)
+    return "\n".join(lines)
+
+
+def speed_section(doc: dict[str, Any]) -> list[str]:
+    m, p, s = doc["machine"], doc["parameters"], doc["speed"]["summary"]
+    lines = [
+        "",
+        "## 1. Replay step time vs. recorded step time",
+        "",
+        f"Workload: `examples/train_fsdp.py {' '.join(p['speed_train_args'])}` (model: the example's defaults, "
+        f"{p['workload_model']}), recorded with `fsdp-replay record --payloads all --snapshot-every "
+        f"{p['snapshot_every']}` under `torchrun --standalone --nproc_per_node 2` and, for the apples-to-apples "
+        "number, `--nproc_per_node 1`; every rank of every trace replayed alone with "
+        "`fsdp-replay replay DIR --rank R`. "
+        f"{p['steps']} steps per run, the first {p['warmup_steps']} not measured; {p['reps']} repetition(s), each "
+        "recording afresh: record 2 ranks, replay rank 0, replay rank 1, record 1 rank, replay it (the two groups "
+        "swap places every repetition).",
+        "",
+        "**Read this first**: the 2-rank recording runs two ranks (and their DataLoader workers) on the "
+        f"machine's {m['cpus_usable']} cores at once, while a replay is one process with the machine to itself. "
+        "That is what a user gets (one rank of an N-rank job replayed alone on one device) and it is what the "
+        "target is judged on, but part of the speed-up is the freed cores, not the missing communication. "
+        "The 1-rank recording vs. its replay is apples to apples (one process each, same data loading).",
+        "",
+        "Step time = wall time between consecutive step lines: rank 0's `step N loss X lr Y` on stdout for a "
+        "recording, `[fsdp-replay] rank R: step N/M verified` on stderr for a replay; per run the median over "
+        "the measured steps, here the median over runs (min-max over runs). Paired ratio = median over "
+        "repetitions of (replay / the recording of the same repetition), [interquartile range] (min-max).",
+        "",
+        "| run | step ms | paired ratio to recorded | ratio of means | start-up s | wall s | report `seconds` | after last step s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, x in s.items():
+        ratio = fmt_ratio(x["ratio_paired"]) if "ratio_paired" in x else "-"
+        ratio_mean = f"{x['ratio_mean_paired']['median']:.3f}" if "ratio_mean_paired" in x else "-"
+        seconds = fmt_spread_s(x["report_seconds"]) if "report_seconds" in x else "-"
+        lines.append(
+            f"| {name} | {fmt_spread_ms(x['step_median_s'])} | {ratio} | {ratio_mean} "
+            f"| {fmt_spread_s(x['first_line_s'])} | {fmt_spread_s(x['wall_s'])} | {seconds} "
+            f"| {fmt_spread_s(x['after_last_line_s'])} |"
+        )
+    lines += [
+        "",
+        "Start-up = command start -> the line of step 0 (interpreter, torch import, process group or fake "
+        "process group, opening the trace, first step). After last step = last step line -> exit (for a "
+        "recording: teardown and the collector building the trace; for a replay: the end-of-run checks, "
+        "report.json, report.txt and the replay.png plot). Report `seconds` = the replay's own "
+        "`seconds` in report.json (the replayed process's time from agent start to the report). The mean "
+        "includes the periodic costs (a snapshot every "
+        f"{p['snapshot_every']} steps while recording, DataLoader re-forks at epoch boundaries) that the "
+        "median leaves out.",
+        "",
+    ]
+    return lines
+
+
+def divergence_section(doc: dict[str, Any]) -> list[str]:
+    p, dv = doc["parameters"], doc["divergence"]
+    n, k = dv["steps"], dv["noise_step"]
+    return [
+        "## 2. Time to the first divergence in a 1,000-step trace"
+        + (f" (here {n} steps: quick run)" if n != 1000 else ""),
+        "",
+        f"Workload: `examples/train_fsdp.py {' '.join(p['long_train_args'])}` on 2 ranks, recorded three times: "
+        f"clean and noisy (`--wallclock-noise-at-step {k} --noise-rank {dv['noise_rank']}`) with "
+        f"`--payloads none`, and noisy again with `--payloads {dv['payload_window']} --snapshot-every "
+        f"{dv['snapshot_every']}`. Recorded step time (rank 0, median): "
+        + ", ".join(f"{name} {fmt_ms(t)} ms" for name, t in dv["recorded_step_median_s"].items())
+        + "; trace sizes: "
+        + ", ".join(f"{name} {fmt_bytes(b)}" for name, b in dv["trace_bytes"].items())
+        + ".",
+        "",
+        "| command | wall s, median (min-max) | runs | found |",
+        "|---|---:|---:|---|",
+        f"| `fsdp-replay diff CLEAN NOISY --json` | {fmt_spread_s(dv['diff_wall_s'], 2)} | {dv['diff_wall_s']['n']} "
+        f"| {dv['diff'][0]['message'] if dv['diff'] else '-'} |",
+        f"| `fsdp-replay replay NOISY-WINDOW --rank {dv['noise_rank']} --from-step {k}` "
+        f"| {fmt_spread_s(dv['replay_wall_s'], 2)} | {dv['replay_wall_s']['n']} "
+        f"| {describe_divergence(dv['replay_first_divergence'])} |",
+        "",
+        "`diff` is timed as a whole process (Python start-up, imports, opening both traces, the comparison, "
+        "the JSON), with the traces in the page cache (they were just written). CPU time of one diff: "
+        f"{fmt_spread_s(dv['diff_cpu_s'], 2)} s.",
+        "",
+        f"Where the `replay --from-step {k}` time goes (median over runs, min-max):",
+        "",
+        "| part | s |",
+        "|---|---:|",
+        f"| start-up to the end of step 0 (interpreter, torch, trace, program set-up, step 0) | "
+        f"{fmt_spread_s(dv['replay_startup_to_step0_s'], 2)} |",
+        f"| fast-forward: steps 1..{dv['restored_snapshot'] - 1} run unverified before the snapshot of step "
+        f"{dv['restored_snapshot']} is restored ({fmt_spread_ms(dv['replay_fast_forward_step_median_s'])} ms per step) "
+        f"| {fmt_spread_s(dv['replay_fast_forward_s'], 2)} |",
+        "| restore, step up to the divergence, report, replay.png, exit | "
+        f"{fmt_spread_s(dv['replay_after_fast_forward_s'], 2)} |",
+        f"| whole command (wall) | {fmt_spread_s(dv['replay_wall_s'], 2)} |",
+        f"| report.json `seconds` | {fmt_spread_s(dv['replay_report_seconds'], 2)} |",
+        "",
+        f"A replay from step S restores the latest snapshot at or before S only when the program reaches it: "
+        f"the {dv['restored_snapshot']} earlier steps still run (forward, backward, optimizer; collectives "
+        "answered with the recorded payloads where stored, zeros elsewhere, nothing verified), so its cost "
+        "grows with S like the training itself, at the fast-forward step time above; the snapshot only "
+        "makes the verified part start at S. `diff` reads the two traces and never runs the program.",
+        "",
+    ]
+
+
+def runs_section(doc: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    worst = max([r["other_cpu_frac"] + r["steal_frac"] for r in doc["runs"]], default=0.0)
+    lines.append("")
+    if worst > NOISY_FRACTION:
+        lines += [
+            f"**Warning**: during some runs, other processes (or the hypervisor) used up to {worst:.0%} of "
+            "the machine's CPU: these numbers are noisier than they should be (see the per-run table).",
+            "",
+        ]
+    lines += [
+        "## Per run (in the order they ran)",
+        "",
+        "| rep | run | rank | step ms median | step ms mean | start-up s | wall s | CPU s | other CPU | steal | outcome |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in doc["runs"]:
+        rep = r.get("report") or {}
+        outcome = rep.get("status") or (
+            f"collector {r['collector_s']} s" if r.get("collector_s") is not None else ""
+        )
+        lines.append(
+            f"| {r['rep']} | {r['name']} | {'-' if r['rank'] is None else r['rank']} | {fmt_ms(r['step_median_s'])} "
+            f"| {fmt_ms(r['step_mean_s'])} | {fmt_s(r['first_line_s'])} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} "
+            f"| {r['other_cpu_frac']:.1%} | {r['steal_frac']:.1%} | {outcome} |"
+        )
+    lines.append("")
+    return lines
+
+
+def describe_divergence(fd: dict[str, Any] | None) -> str:
+    if not fd:
+        return "-"
+    return f"rank {fd.get('rank')}: {fd.get('what', fd.get('kind'))} at step {fd.get('step')} micro-step {fd.get('micro')}"
+
+
+# -- main ------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run (~2 min): 12 steps, 1 repetition, a 200-step long trace; checks that everything works",
+    )
+    p.add_argument("--steps", type=int, default=None, help="steps per speed run (default 30; --quick 12)")
+    p.add_argument(
+        "--reps", type=int, default=None, help="repetitions of the speed runs (default 5; --quick 1)"
+    )
+    p.add_argument("--warmup-steps", type=int, default=3, help="first steps not measured (default 3)")
+    p.add_argument(
+        "--snapshot-every", type=int, default=10, help="snapshots in the speed recordings (default 10)"
+    )
+    p.add_argument(
+        "--train-args",
+        default="",
+        help="extra flags for the speed runs of examples/train_fsdp.py, written with '=': "
+        "--train-args='--d-model 256' (default: the example's defaults)",
+    )
+    p.add_argument(
+        "--long-steps", type=int, default=None, help="steps of the long traces (default 1000; --quick 200)"
+    )
+    p.add_argument(
+        "--noise-step",
+        type=int,
+        default=None,
+        help="step of the wall-clock noise (default 90%% of --long-steps)",
+    )
+    p.add_argument(
+        "--long-snapshot-every",
+        type=int,
+        default=None,
+        help="snapshots in the payload-window recording (default --long-steps / 10)",
+    )
+    p.add_argument("--diff-reps", type=int, default=None, help="diff runs (default 5; --quick 3)")
+    p.add_argument(
+        "--long-reps", type=int, default=None, help="replay --from-step runs (default 3; --quick 1)"
+    )
+    p.add_argument(
+        "--parts",
+        default="speed,divergence",
+        help="comma-separated subset of: speed, divergence (default both)",
+    )
+    p.add_argument("--workdir", default=None, help="where runs are recorded (default: a temporary folder)")
+    p.add_argument(
+        "--keep", action="store_true", help="keep every run's folder (default: delete after measuring)"
+    )
+    p.add_argument(
+        "--cooldown", type=float, default=1.0, help="seconds of rest after each run (after a sync)"
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a run is stopped as hung")
+    p.add_argument("--results", default=None, help="output path stem (default bench/results/replay[.quick])")
+    p.add_argument("-v", "--verbose", action="store_true", help="echo the runs' output")
+    args = p.parse_args(argv)
+    args.steps = args.steps or (12 if args.quick else 30)
+    args.reps = args.reps or (1 if args.quick else 5)
+    args.long_steps = args.long_steps or (200 if args.quick else 1000)
+    args.noise_step = args.noise_step if args.noise_step is not None else round(0.9 * args.long_steps)
+    args.long_snapshot_every = args.long_snapshot_every or max(1, args.long_steps // 10)
+    args.diff_reps = args.diff_reps or (3 if args.quick else 5)
+    args.long_reps = args.long_reps or (1 if args.quick else 3)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+    if not parts or parts - {"speed", "divergence"}:
+        print(f"bench: --parts takes speed and/or divergence, not {args.parts!r}", file=sys.stderr)
+        return 2
+    if args.steps < args.warmup_steps + 2:
+        print(f"bench: --steps must be at least {args.warmup_steps + 2}", file=sys.stderr)
+        return 2
+    if not 0 < args.noise_step < args.long_steps:
+        print("bench: --noise-step must be inside the long run", file=sys.stderr)
+        return 2
+    stem = Path(args.results) if args.results else RESULTS_DIR / ("replay.quick" if args.quick else "replay")
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-replay-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    load_before = os.getloadavg()
+    if load_before[0] > 0.5:
+        print(
+            f"bench: WARNING: load average {load_before[0]:.2f} before starting: the machine is not quiet",
+            file=sys.stderr,
+        )
+    plan = []
+    if "speed" in parts:
+        plan.append(
+            f"speed: {args.reps} repetition(s) x (record 2 ranks + 2 replays, record 1 rank + 1 replay), "
+            f"{args.steps} steps"
+        )
+    if "divergence" in parts:
+        plan.append(
+            f"divergence: 3 recordings of {args.long_steps} steps, {args.diff_reps} diff(s), "
+            f"{args.long_reps} replay(s) from step {args.noise_step}"
+        )
+    print(f"bench: {'; '.join(plan)}; runs in {work}", flush=True)
+    all_runs: list[Run] = []
+
+    def log(r: Run) -> None:
+        all_runs.append(r)
+        rep = r.report or {}
+        what = rep.get("status") or (f"collector {r.collector_s}s, trace {fmt_bytes(r.trace_bytes)}")
+        print(
+            f"  [{time.time() - started:6.0f}s] rep {r.rep} {r.name:20s}: median step {fmt_ms(r.step_median_s)} ms, "
+            f"mean {fmt_ms(r.step_mean_s)} ms, wall {r.wall_s:.1f}s, start-up {fmt_s(r.first_line_s)}s; {what}; "
+            f"other CPU {r.other_cpu_frac:.0%}",
+            flush=True,
+        )
+
+    checks: list[str] = []
+    speed_runs: list[Run] = []
+    divergence: dict[str, Any] = {}
+    try:
+        if "speed" in parts:
+            speed_runs, c = part_speed(args, work, log)
+            checks += c
+        if "divergence" in parts:
+            divergence, _runs, c = part_divergence(args, work, log)
+            checks += c
+    except BenchError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        print(f"bench: the runs' folders are kept under {work}", file=sys.stderr)
+        return 1
+    if not args.keep and not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+    speed_summary = summarize_speed(speed_runs) if speed_runs else {}
+    verdicts: list[dict[str, Any]] = []
+    if speed_summary:
+        for rank in (0, 1):
+            verdicts.append(
+                ratio_verdict(
+                    f"rank {rank} of the 2-rank job replayed alone",
+                    TARGET_RATIO_TEXT,
+                    speed_summary.get(f"replay-2r-r{rank}"),
+                    args.quick,
+                )
+            )
+        verdicts.append(
+            ratio_verdict(
+                "1-rank job replayed (apples to apples: one process each)",
+                TARGET_RATIO_TEXT + " (same target, like for like)",
+                speed_summary.get("replay-1r-r0"),
+                args.quick,
+            )
+        )
+    if divergence:
+        verdicts.append(
+            time_verdict("`fsdp-replay diff`", divergence["diff_wall_s"], args.long_steps, args.quick)
+        )
+        verdicts.append(
+            time_verdict(
+                f"`fsdp-replay replay --from-step {args.noise_step}` (fast-forward included)",
+                divergence["replay_wall_s"],
+                args.long_steps,
+                args.quick,
+            )
+        )
+    defaults = example_defaults()
+    model_keys = ("d_model", "layers", "heads", "seq_len", "batch_size", "grad_accum", "vocab", "workers")
+    workload_model = ", ".join(f"{k}={defaults[k]}" for k in model_keys if k in defaults)
+    runs_doc = []
+    for r in all_runs:
+        d = asdict(r)
+        d["extra"] = {
+            k: v for k, v in d["extra"].items() if k not in ("arrivals_ns", "states", "progress_steps")
+        }
+        runs_doc.append(d)
+    doc: dict[str, Any] = {
+        "benchmark": "replay",
+        "command_line": shlex.join([sys.executable, *sys.argv]),
+        "cwd": os.getcwd(),
+        "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "elapsed_s": time.time() - started,
+        "machine": machine_info(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "parameters": {
+            "quick": args.quick,
+            "parts": sorted(parts),
+            "steps": args.steps,
+            "warmup_steps": args.warmup_steps,
+            "reps": args.reps,
+            "snapshot_every": args.snapshot_every,
+            "speed_train_args": ["--cpu", "--steps", str(args.steps), *shlex.split(args.train_args)],
+            "workload_model": workload_model + (f"; plus {args.train_args}" if args.train_args else ""),
+            "example_defaults": defaults,
+            "long_steps": args.long_steps,
+            "noise_step": args.noise_step,
+            "long_snapshot_every": args.long_snapshot_every,
+            "long_train_args": [*TINY_ARGS, "--steps", str(args.long_steps)],
+            "diff_reps": args.diff_reps,
+            "long_reps": args.long_reps,
+            "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+            "timing_source": "recording: wall time between rank 0's consecutive 'step N' stdout lines; replay: "
+            "between the replay's consecutive '[fsdp-replay] rank R: step N/M verified' stderr lines; both read "
+            "as they arrive",
+        },
+        "verdicts": verdicts,
+        "speed": {"summary": speed_summary},
+        "divergence": divergence,
+        "checks": checks,
+        "runs": runs_doc,
+    }
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    md_path, json_path = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    md = render_markdown(doc)
+    md_path.write_text(md)
+    print()
+    print(md)
+    print(f"bench: wrote {md_path} and {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
