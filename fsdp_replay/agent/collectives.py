@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 _IN_ARGS = frozenset({"input_tensor", "input_tensors", "inputs", "input_list"})
 _OUT_ARGS = frozenset({"output_tensor", "output_tensors", "outputs", "output_lists"})
 # Ops whose "tensors" argument is only sent (inputs) or only received (outputs).
-_SEND_ONLY = frozenset({"send"})
-_RECV_ONLY = frozenset({"recv_", "recv_any_source_"})
-P2P_OPS = _SEND_ONLY | _RECV_ONLY
+_SEND_ONLY = schema.SEND_OPS
+_RECV_ONLY = schema.RECV_OPS
+P2P_OPS = schema.P2P_OPS
 _EXTRA_ARGS = ("root_rank", "root_tensor", "dst", "src", "tag", "output_split_sizes", "input_split_sizes")
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import RankTrace, Trace
 
 ROLE_INPUT = 0
@@ -28,7 +29,7 @@ ROLE_OUTPUT = 1
 ROLE_NAMES = {ROLE_INPUT: "input", ROLE_OUTPUT: "output", 2: ""}
 
 # Point-to-point ops are pairwise, not ordered per group: left out of desync comparisons.
-P2P_OPS = frozenset({"send", "recv_", "recv_any_source_"})
+P2P_OPS = schema.P2P_OPS
 # Ops whose tensors have the same shapes on every member of the group (all-gather inputs,
 # all-reduce buffers, ...). Others (all-to-all with splits, gather/scatter lists on the root)
 # are compared by op, reduce op, tensor count and dtypes only.

@@ -146,6 +146,11 @@ C10D_OPS: Final = (
     "barrier",
 )
 
+# Point-to-point ops: which side of the "tensors" argument they use.
+SEND_OPS: Final = frozenset({"send"})
+RECV_OPS: Final = frozenset({"recv_", "recv_any_source_"})
+P2P_OPS: Final = SEND_OPS | RECV_OPS
+
 # Environment variables recorded verbatim (after redaction) when set. Exact names, then prefixes.
 ENV_ALLOW: Final = frozenset(
     {
