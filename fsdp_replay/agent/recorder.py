@@ -418,8 +418,18 @@ class Recorder:
                     self.names.setdefault(id(p), name)
 
     def _write_rng(self, w: BackgroundWriter, step: int, state: dict[str, Any]) -> None:
+        # Every step boundary gets the states' fingerprints (the replay checks them); the states
+        # themselves (~20 kB) only where a replay can restore them: process start, snapshot
+        # steps, and the steps whose payloads are kept.
+        every = self.config.snapshot_every
+        keep = step <= 0 or (every and step % every == 0) or step in self.config.payloads
+
         def encoded() -> list[tuple[str, Any]]:
             fps, data = capture.encode_rng(state)
+            if not keep:
+                return [
+                    ("ev", {"type": schema.EV_RNG, "step": step, "states": {**fps, "blob": schema.NO_BLOB}})
+                ]
             ref = BlobRef()
             return [
                 ("raw", (ref, data)),

@@ -170,6 +170,7 @@ class Replayer:
         self._restore_rng(-1, "process start")
         if not self.live:
             self._patch_init()
+            self.rec.start_prefetch()
 
     def refuse(self, why: str) -> None:
         sys.stderr.write(f"fsdp-replay: refusing to replay: {why}\n")
@@ -232,6 +233,7 @@ class Replayer:
     def _run(self, call: CollectiveCall, real: Any) -> Any:
         seq = self.seq
         self.seq += 1
+        self.rec.advance(seq)
         exp = self.rec.colls.get(seq)
         verify = self.verifying()
         if verify and not self._threads_checked:

@@ -8,6 +8,7 @@ a 512-rank trace reads 1/512 of the metadata. Payloads are read lazily and kept 
 from __future__ import annotations
 
 import collections
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from fsdp_replay.trace.reader import RankTrace, Trace
 
 ROLES = {v: k for k, v in ROLE_CODES.items()}
 PAYLOAD_CACHE_BYTES = 1 << 30
+PREFETCH_AHEAD = 64  # collectives
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +184,9 @@ class RankRecord:
             pass  # a trace written before module fingerprints existed
         self._cache: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self._cache_bytes = 0
+        self._lock = threading.Lock()
+        self._progress = threading.Condition()
+        self._consumer = 0
 
     @property
     def world_size(self) -> int:
@@ -200,26 +205,62 @@ class RankRecord:
     def blob(self, row: int) -> bytes:
         return self.rank_trace.payload(row)
 
+    def _load(self, t: ExpectedTensor) -> torch.Tensor:
+        with self._lock:
+            hit = self._cache.get(t.payload)
+            if hit is not None:
+                self._cache.move_to_end(t.payload)
+                return hit
+        data = self.rank_trace.payload(t.payload, verify=(t.algo, t.fp))  # read + verify, no lock held
+        hit = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        with self._lock:
+            if t.payload not in self._cache:
+                self._cache[t.payload] = hit
+                self._cache_bytes += len(data)
+                while self._cache_bytes > PAYLOAD_CACHE_BYTES and len(self._cache) > 1:
+                    _, old = self._cache.popitem(last=False)
+                    self._cache_bytes -= old.numel()
+        return hit
+
     def tensor(self, t: ExpectedTensor) -> torch.Tensor:
         """The recorded bytes of ``t`` as a CPU tensor (verified against its fingerprint once)."""
         if t.payload < 0:
             raise TraceNotFoundError("payload not recorded")
-        hit = self._cache.get(t.payload)
-        if hit is None:
-            data = self.rank_trace.payload(t.payload, verify=(t.algo, t.fp))
-            hit = (
-                torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                if data
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            self._cache[t.payload] = hit
-            self._cache_bytes += len(data)
-            while self._cache_bytes > PAYLOAD_CACHE_BYTES and len(self._cache) > 1:
-                _, old = self._cache.popitem(last=False)
-                self._cache_bytes -= old.numel()
-        else:
-            self._cache.move_to_end(t.payload)
-        return hit.view(torch_dtype(t.dtype)).reshape(t.shape)
+        return self._load(t).view(torch_dtype(t.dtype)).reshape(t.shape)
+
+    # -- read-ahead ------------------------------------------------------------------------
+    def start_prefetch(self) -> None:
+        """Read the payloads of the next collectives on a thread, ahead of the replay.
+
+        Reading, decompressing and verifying a payload takes milliseconds; the replay knows the
+        order it will need them in, so a thread keeps PREFETCH_AHEAD collectives ahead of it.
+        """
+        thread = threading.Thread(target=self._prefetch, name="fsdp-replay-prefetch", daemon=True)
+        thread.start()
+
+    def advance(self, seq: int) -> None:
+        """The replay has reached collective ``seq``."""
+        with self._progress:
+            self._consumer = seq
+            self._progress.notify()
+
+    def _prefetch(self) -> None:
+        try:
+            for seq in sorted(self.colls):
+                with self._progress:
+                    while seq > self._consumer + PREFETCH_AHEAD:
+                        self._progress.wait(1.0)
+                if seq < self._consumer:
+                    continue
+                for t in self.colls[seq].tensors:
+                    if t.role == "o" and t.payload >= 0:
+                        self._load(t)
+        except Exception:  # the replay reads what it needs itself and reports any error then
+            return
 
 
 def as_float(x: torch.Tensor) -> np.ndarray:
