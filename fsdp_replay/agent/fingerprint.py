@@ -15,6 +15,7 @@ in ``fsdp_replay.trace.fingerprint`` computes the same values from raw bytes.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import zlib
 from collections import OrderedDict
@@ -118,9 +119,33 @@ def _combine_lin64_host(nbytes: int) -> Any:
     return combine
 
 
+def _zlib64_fast(t: torch.Tensor) -> tuple[int, bool] | None:
+    """zlib64 and the non-finite flag with as few torch calls as possible (the common case:
+    a contiguous, 8-byte aligned real tensor), or None when the general path is needed.
+
+    Recording calls this for every collective input and output; the per-call cost matters.
+    """
+    if not t.is_contiguous() or t.is_complex() or t.dtype == torch.bool:
+        return None
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0 or nbytes % 8 or t.data_ptr() % 8:
+        return None
+    flat = t.detach().reshape(-1)
+    total = int(flat.view(torch.int64).sum())
+    crc = zlib.crc32((ctypes.c_char * nbytes).from_address(flat.data_ptr()))
+    nonfinite = False
+    if flat.is_floating_point():
+        nonfinite = not math.isfinite(float(flat.sum(dtype=_FLOAT_SUM_DTYPE.get(flat.dtype, flat.dtype))))
+    return combine_zlib64(crc, total), nonfinite
+
+
 def fingerprint(t: torch.Tensor, algo: str | None = None) -> tuple[Any, Any, str]:
     """(fingerprint, nonfinite, algo) of a tensor. On CUDA the first two may be ``Pending``."""
     algo = algo or (schema.FP_ZLIB64 if t.device.type == "cpu" else schema.FP_LIN64)
+    if t.device.type == "cpu" and algo == schema.FP_ZLIB64:
+        fast = _zlib64_fast(t)
+        if fast is not None:
+            return fast[0], fast[1], algo
     nf = _nonfinite(t)
     if t.device.type == "cpu":
         if algo == schema.FP_ZLIB64:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import CollectiveCall, wait_result
 from fsdp_replay.agent.config import AgentConfig
-from fsdp_replay.agent.fingerprint import Pending, fingerprint
+from fsdp_replay.agent.fingerprint import Pending, fingerprint, fingerprint_many
 from fsdp_replay.agent.hooks import Hooks
 from fsdp_replay.errors import FsdpReplayError
 from fsdp_replay.replayer.expected import ExpectedColl, ExpectedTensor, RankRecord
@@ -481,8 +481,11 @@ class Replayer:
             )
         params = capture.optimizer_params(opt)
         names = self._param_names(params)
+        locals_ = [capture.local(p).detach() for p in params]
+        batched = fingerprint_many(locals_)  # the recorder's own path: one read-back on a GPU
         for i, (p, (efp, _enf, algo)) in enumerate(zip(params, exp.params, strict=False)):
-            fp = _value(fingerprint(capture.local(p), algo)[0])
+            got, _nf, got_algo = batched[i]
+            fp = _value(got) if got_algo == algo else _value(fingerprint(locals_[i], algo)[0])
             if fp != efp:
                 self.diverge(
                     Divergence(
