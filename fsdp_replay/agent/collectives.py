@@ -33,6 +33,9 @@ _OUT_ARGS = frozenset({"output_tensor", "output_tensors", "outputs", "output_lis
 _SEND_ONLY = schema.SEND_OPS
 _RECV_ONLY = schema.RECV_OPS
 P2P_OPS = schema.P2P_OPS
+# Async collectives whose outputs the recorder takes when the program waits for them, not when
+# they are issued (FSDP2's prefetched all-gathers; the program only reads their outputs).
+DEFERRABLE_OPS = frozenset({"_allgather_base_", "allgather_into_tensor_coalesced_"})
 _EXTRA_ARGS = ("root_rank", "root_tensor", "dst", "src", "tag", "output_split_sizes", "input_split_sizes")
 
 

@@ -72,6 +72,10 @@ class Hooks:
             self._undo.append(handle.remove)
 
         self._patch(torch.autograd, "backward", self._backward)
+        if hasattr(owner, "complete_deferred"):
+            from torch._C._distributed_c10d import Work
+
+            self._patch(Work, "wait", self._wait)
         self._patch(dataloader._BaseDataLoaderIter, "__next__", self._next)
 
         depth = [0]
@@ -115,6 +119,18 @@ class Hooks:
             return result
 
         return backward
+
+    def _wait(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        owner = self.owner
+        done = Guarded(owner, "Work.wait")(owner.complete_deferred)
+
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(work, *args, **kwargs)
+            if owner._deferred:
+                done()
+            return result
+
+        return wait
 
     def _next(self, original: Callable[..., Any]) -> Callable[..., Any]:
         owner = self.owner

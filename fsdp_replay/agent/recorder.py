@@ -8,6 +8,7 @@ the program's own call always runs, and its own errors always reach it unchanged
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_replay.agent import capture
-from fsdp_replay.agent.collectives import P2P_OPS, CollectiveCall, wait_result, work_of
+from fsdp_replay.agent.collectives import DEFERRABLE_OPS, P2P_OPS, CollectiveCall, wait_result, work_of
 from fsdp_replay.agent.config import AgentConfig
 from fsdp_replay.agent.fingerprint import fingerprint, fingerprint_many, host_values, nbytes_of
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
@@ -105,6 +106,7 @@ class Recorder:
         self._lock = threading.Lock()
         self.on_step_zero_done: Callable[[], None] | None = None
         self.module_idx = 0
+        self._deferred: list[tuple[Any, CollectiveCall, dict[str, Any]]] = []
         self._pending_marker: threading.Event | None = None
         self.tap: Any = None
         if not config.module_fingerprints.empty:
@@ -201,6 +203,9 @@ class Recorder:
             return
         self.finished = True
         w = self.writer
+        if self._deferred:
+            with contextlib.suppress(Exception):
+                self.complete_deferred(force=True)
         self._write_modules(w)
         counters = w.counters.as_dict()
         counters["agent_errors"] = self.errors
@@ -289,6 +294,8 @@ class Recorder:
         return pid
 
     def run(self, call: CollectiveCall, real: Callable[[], Any]) -> Any:
+        if self._deferred:
+            self.complete_deferred()
         try:
             self._check_fault("coll")
             self._ensure_started()
@@ -309,6 +316,7 @@ class Recorder:
             extra = call.extra
             if extra:
                 event["extra"] = extra
+            event["_store_outputs"] = self.payload_now  # decided at issue, even if completed later
             self.seq += 1
             self.inflight = {k: event[k] for k in ("seq", "step", "op", "pg", "t_ns")}
         except Exception as e:
@@ -326,6 +334,11 @@ class Recorder:
             # Waiting here could deadlock a program that posts irecv before isend on both sides.
             work.get_future().then(lambda _f: self._complete(call, event))
             return result
+        if work is not None and self._deferrable(call):
+            # FSDP2 issues its all-gathers ahead and waits for them later (prefetch): waiting here
+            # would serialize them with compute. The outputs are taken when the program waits.
+            self._deferred.append((work, call, event))
+            return result
         # The program's own error (a timeout, an abort) propagates from these waits, as it would from its own.
         if call.functional:
             wait_result(result, call)
@@ -334,11 +347,39 @@ class Recorder:
         self._complete(call, event)
         return result
 
+    def _deferrable(self, call: CollectiveCall) -> bool:
+        return (
+            call.op in DEFERRABLE_OPS
+            and bool(call.bound.get("async_op", True))
+            and all(t.device.type == "cpu" for t in call.outputs)  # CUDA waits only order streams
+        )
+
+    def complete_deferred(self, force: bool = False) -> None:
+        """Finish the deferred collectives whose work is done (all of them with ``force``).
+
+        Called right after the program's own ``Work.wait()`` returns (so before it reads the
+        outputs), at the next collective, and at the step end, where any still pending is waited
+        for: a program that waits only from C++ is still recorded.
+        """
+        pending, self._deferred = self._deferred, []
+        for work, call, event in pending:
+            try:
+                done = work.is_completed()
+            except Exception:
+                done = True
+            if not done and not force:
+                self._deferred.append((work, call, event))
+                continue
+            if not done:
+                work.wait()  # the program's own error propagates, as from its own wait
+            self._complete(call, event)
+
     def _complete(self, call: CollectiveCall, event: dict[str, Any]) -> None:
         try:
             if not self.active():
                 return
-            event["tensors"] += [self._tensor("o", t, self.payload_now) for t in call.outputs]
+            store = event.pop("_store_outputs", self.payload_now)
+            event["tensors"] += [self._tensor("o", t, store) for t in call.outputs]
             event["dur_ns"] = time.monotonic_ns() - self.t0 - event["t_ns"]
             assert self.writer is not None
             self.writer.event(event)
@@ -361,6 +402,8 @@ class Recorder:
             return
         self._check_fault("step")
         w = self._ensure_started()
+        if self._deferred:
+            self.complete_deferred(force=True)
         params = fingerprint_many([capture.local(p).detach() for p in capture.optimizer_params(opt)])
         loss = host_values(torch.stack(self.losses)) if self.losses else []
         w.event(

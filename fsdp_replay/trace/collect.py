@@ -400,7 +400,20 @@ class _RankBuilder:
         self.report.payloads_dropped = int((ev.get("counters") or {}).get("blobs_dropped", 0))
 
     # -- output -------------------------------------------------------------------------------
+    def _sort_collectives(self) -> None:
+        """Rows in sequence order: deferred collectives are written when completed, not issued."""
+        c = self.cols["collectives"]
+        order = sorted(range(len(c["seq"])), key=c["seq"].__getitem__)
+        if order == list(range(len(order))):
+            return
+        for col, values in c.items():
+            c[col] = [values[i] for i in order]
+        new_row = {old: new for new, old in enumerate(order)}
+        t = self.cols["tensors"]
+        t["coll"] = [new_row[i] for i in t["coll"]]
+
     def write(self) -> None:
+        self._sort_collectives()
         group = self.root.create_group(schema.RANK_GROUP_FMT.format(rank=self.rank), overwrite=True)
         for table, columns in TABLES.items():
             tg = group.create_group(table)
