@@ -98,6 +98,11 @@ class Config:
 CONFIGS: tuple[Config, ...] = (
     Config("baseline", None, "unrecorded"),
     Config("meta", ("--payloads", "none"), "metadata + fingerprints only"),
+    Config(
+        "meta-nosync",
+        ("--payloads", "none", "--no-sync-steps"),
+        "metadata + fingerprints, without waiting for each step's records (weaker crash guarantee)",
+    ),
     Config("payloads", ("--payloads", "all"), "+ payloads every step"),
     Config(
         "snapshots",
