@@ -178,7 +178,6 @@ def test_sigkill_mid_run_leaves_a_readable_trace(tmp_path: Path) -> None:
         done = last + 1 - r
         assert steps[:done] == list(range(done)), (r, steps, last)
         assert rt.attrs["end"] is None, "a killed rank has no end record"
-        assert rt.attrs["damage"] in ([], rt.attrs["damage"])
     insp = run([*CLI, "inspect", str(out), "--json"])
     summary = json.loads(insp.stdout)
     assert all(not r["complete"] for r in summary["per_rank"])
