@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -72,7 +71,3 @@ def run_command(
             signal.signal(s, h)
     code = 128 - rc if rc < 0 else rc
     return code, {"start": t0, "end": time.time(), "returncode": rc, "signals_forwarded": forwarded}
-
-
-def python_executable() -> str:
-    return sys.executable

@@ -261,7 +261,3 @@ class RankRecord:
                         self._load(t)
         except Exception:  # the replay reads what it needs itself and reports any error then
             return
-
-
-def as_float(x: torch.Tensor) -> np.ndarray:
-    return x.detach().to("cpu", torch.float64).numpy().reshape(-1)

@@ -15,7 +15,6 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -548,7 +547,3 @@ def collect(
     root.attrs[schema.ROOT_ATTR] = meta
     report.seconds = time.monotonic() - t0
     return report
-
-
-def default_trace(out: str | os.PathLike[str]) -> Path:
-    return Path(out) / schema.TRACE_DIR
