@@ -61,6 +61,9 @@ from benchlib import (
     quantiles,
     run_env,
 )
+from benchlib import (
+    check_trace as shared_check_trace,
+)
 
 RESULTS_DIR = REPO / "bench" / "results"
 
@@ -255,60 +258,11 @@ def execute(
 
 
 def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[list[int], list[str]]:
-    """Check the run's trace through `fsdp-replay inspect --json`; return (steps per rank, problems)."""
-    problems: list[str] = []
-    out = subprocess.run(
-        [sys.executable, "-m", "fsdp_replay", "inspect", str(run_dir), "--json"],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    """Check the run's trace (benchlib.check_trace); return (steps per rank, problems)."""
+    summary, problems = shared_check_trace(
+        run_dir, NPROC, steps, "all" if cfg.payloads else "none", cfg.snapshot_every
     )
-    if out.returncode != 0:
-        return [], [f"inspect exited with {out.returncode}: {out.stderr.strip()[-2000:]}"]
-    try:
-        summary = json.loads(out.stdout)
-    except json.JSONDecodeError as e:
-        return [], [f"inspect printed no JSON: {e}"]
-    per_rank = summary.get("per_rank", [])
-    rank_steps = [int(r.get("steps", -1)) for r in per_rank]
-    if summary.get("world_size") != NPROC or sorted(summary.get("ranks", [])) != list(range(NPROC)):
-        problems.append(
-            f"world_size {summary.get('world_size')}, ranks {summary.get('ranks')} (expected {NPROC}: {list(range(NPROC))})"
-        )
-    if summary.get("missing_ranks"):
-        problems.append(f"missing ranks {summary['missing_ranks']}")
-    want_snaps = (
-        sorted({0, *range(cfg.snapshot_every, steps + 1, cfg.snapshot_every)}) if cfg.snapshot_every else []
-    )
-    for r in per_rank:
-        rk = r.get("rank")
-        if r.get("steps") != steps:
-            problems.append(f"rank {rk}: {r.get('steps')} steps in the trace, expected {steps}")
-        if not r.get("complete"):
-            problems.append(f"rank {rk}: incomplete (no clean end record)")
-        for key in ("damage", "agent_errors"):
-            if r.get(key):
-                problems.append(f"rank {rk}: {key} {r[key]}")
-        if r.get("payload_missing"):
-            problems.append(f"rank {rk}: {r['payload_missing']} payloads missing")
-        counters = (r.get("end") or {}).get("counters") or {}
-        for key in ("events_dropped", "blobs_dropped", "write_errors", "agent_errors"):
-            if counters.get(key):
-                problems.append(f"rank {rk}: counter {key} = {counters[key]}")
-        cov = r.get("payload_coverage") or {}
-        if cfg.payloads and cov.get("with_payload") != cov.get("outputs"):
-            problems.append(
-                f"rank {rk}: payloads for {cov.get('with_payload')} of {cov.get('outputs')} outputs"
-            )
-        if not cfg.payloads and cov.get("with_payload"):
-            problems.append(f"rank {rk}: {cov.get('with_payload')} payloads stored with --payloads none")
-        snaps = sorted(r.get("snapshots") or [])
-        if cfg.snapshot_every and snaps != want_snaps:
-            problems.append(f"rank {rk}: snapshots at steps {snaps}, expected {want_snaps}")
-    return rank_steps, problems
+    return [int(r.get("steps", -1)) for r in summary.get("per_rank", [])], problems
 
 
 def run_one(

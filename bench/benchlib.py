@@ -9,10 +9,12 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +118,63 @@ def fmt_bytes(x: float | None) -> str:
         if x >= k:
             return f"{x / k:.2f} {unit}"
     return f"{x:.0f} B"
+
+
+def check_trace(
+    run_dir: Path, nproc: int, steps: int, payloads: str, snapshot_every: int
+) -> tuple[dict[str, Any], list[str]]:
+    """Check a recording through ``fsdp-replay inspect --json``. payloads: all, none or steps:A-B."""
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_replay", "inspect", str(run_dir), "--json"],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if out.returncode != 0:
+        return {}, [f"inspect exited with {out.returncode}: {out.stderr.strip()[-2000:]}"]
+    try:
+        summary = json.loads(out.stdout)
+    except json.JSONDecodeError as e:
+        return {}, [f"inspect printed no JSON: {e}"]
+    problems: list[str] = []
+    if summary.get("world_size") != nproc or sorted(summary.get("ranks", [])) != list(range(nproc)):
+        problems.append(
+            f"world_size {summary.get('world_size')}, ranks {summary.get('ranks')} (expected {nproc})"
+        )
+    if summary.get("missing_ranks"):
+        problems.append(f"missing ranks {summary['missing_ranks']}")
+    want_snaps = sorted({0, *range(snapshot_every, steps + 1, snapshot_every)}) if snapshot_every else [0]
+    for r in summary.get("per_rank", []):
+        rk = r.get("rank")
+        if r.get("steps") != steps:
+            problems.append(f"rank {rk}: {r.get('steps')} steps in the trace, expected {steps}")
+        if not r.get("complete"):
+            problems.append(f"rank {rk}: incomplete (no clean end record)")
+        for key in ("damage", "agent_errors"):
+            if r.get(key):
+                problems.append(f"rank {rk}: {key} {r[key]}")
+        if r.get("payload_missing"):
+            problems.append(f"rank {rk}: {r['payload_missing']} payloads missing")
+        counters = (r.get("end") or {}).get("counters") or {}
+        for key in ("events_dropped", "blobs_dropped", "write_errors", "agent_errors"):
+            if counters.get(key):
+                problems.append(f"rank {rk}: counter {key} = {counters[key]}")
+        cov = r.get("payload_coverage") or {}
+        stored, outputs = cov.get("with_payload"), cov.get("outputs")
+        if payloads == "all" and stored != outputs:
+            problems.append(f"rank {rk}: payloads for {stored} of {outputs} outputs with --payloads all")
+        elif payloads == "none" and stored:
+            problems.append(f"rank {rk}: {stored} payloads stored with --payloads none")
+        elif payloads.startswith("steps:"):
+            window = payloads.split(":", 1)[1]
+            if not stored or stored >= (outputs or 0) or cov.get("steps") != window:
+                problems.append(
+                    f"rank {rk}: payload coverage {cov} (expected some outputs, steps {window}, with {payloads})"
+                )
+        snaps = sorted(r.get("snapshots") or [])
+        if snaps != want_snaps:
+            problems.append(f"rank {rk}: snapshots at steps {snaps}, expected {want_snaps}")
+    return summary, problems
