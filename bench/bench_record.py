@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import re
@@ -133,6 +134,9 @@ class RunResult:
     trace_disk_bytes: int | None = None  # allocated blocks (st_blocks * 512)
     spool_disk_bytes: int | None = None
     trace_steps: list[int] | None = None  # inspect: per_rank[*].steps
+    # the agent's own account of its cost (step events' cpu_ns), ms per step in the steady state
+    agent_cpu_ms_per_step: float | None = None  # on the program's threads (our hooks)
+    writer_cpu_ms_per_step: float | None = None  # the agent's writer thread
     cpu_s: float = 0.0  # user + system CPU of all the command's processes (incl. start-up, collector)
     other_cpu_frac: float = 0.0  # CPU used by everything else on the machine during the run / (wall x CPUs)
     steal_frac: float = 0.0  # CPU stolen by the hypervisor during the run / (wall x CPUs)
@@ -257,12 +261,35 @@ def execute(
     return code, wall, cpu, other, steal, arrivals, losses, t_exit, err_lines
 
 
-def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[list[int], list[str]]:
-    """Check the run's trace (benchlib.check_trace); return (steps per rank, problems)."""
-    summary, problems = shared_check_trace(
-        run_dir, NPROC, steps, "all" if cfg.payloads else "none", cfg.snapshot_every
-    )
-    return [int(r.get("steps", -1)) for r in summary.get("per_rank", [])], problems
+def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[dict[str, Any], list[str]]:
+    """Check the run's trace (benchlib.check_trace); return (inspect's summary, problems)."""
+    return shared_check_trace(run_dir, NPROC, steps, "all" if cfg.payloads else "none", cfg.snapshot_every)
+
+
+def agent_cpu_ms_per_step(run_dir: Path, warmup: int) -> tuple[float, float] | None:
+    """The agent's own account of its CPU cost in the steady state: (hooks, writer thread) ms per
+    step, from the trace's cumulative ``steps.agent_cpu_ns`` / ``writer_cpu_ns``: per rank the
+    median increment over the steps after the warm-up, then the mean over ranks."""
+    from fsdp_replay.errors import TraceFormatError
+    from fsdp_replay.trace.reader import Trace
+
+    trace = Trace.open(str(run_dir / "trace.zarr"))
+    per_rank: list[tuple[float, float]] = []
+    for rank in trace.ranks:
+        st = trace.rank(rank).steps
+        cols = []
+        for key in ("agent_cpu_ns", "writer_cpu_ns"):
+            try:
+                cum = [int(v) for v in st[key][warmup:]]
+            except TraceFormatError:  # a trace from before these columns
+                return None
+            if len(cum) < 2 or min(cum) < 0:
+                return None
+            cols.append(statistics.median(b - a for a, b in itertools.pairwise(cum)) / 1e6)
+        per_rank.append((cols[0], cols[1]))
+    if not per_rank:
+        return None
+    return statistics.fmean(h for h, _ in per_rank), statistics.fmean(w for _, w in per_rank)
 
 
 def run_one(
@@ -323,7 +350,11 @@ def run_one(
         res.trace_bytes, res.trace_disk_bytes = tree_bytes(run_dir / "trace.zarr")
         res.spool_bytes, res.spool_disk_bytes = tree_bytes(run_dir / "spool")
         if not problems:
-            res.trace_steps, trace_problems = check_trace(run_dir, cfg, steps)
+            trace_summary, trace_problems = check_trace(run_dir, cfg, steps)
+            res.trace_steps = [int(r.get("steps", -1)) for r in trace_summary.get("per_rank", [])]
+            cpu = agent_cpu_ms_per_step(run_dir, warmup)
+            if cpu is not None:
+                res.agent_cpu_ms_per_step, res.writer_cpu_ms_per_step = cpu
             problems += trace_problems
     if problems:
         tail = "\n".join(err[-40:])
@@ -375,6 +406,11 @@ def summarize(results: list[RunResult], names: list[str]) -> dict[str, Any]:
             s["spool_disk_bytes_per_step"] = statistics.median(
                 (r.spool_disk_bytes or 0) / steps for r in runs
             )
+            for key in ("agent_cpu_ms_per_step", "writer_cpu_ms_per_step"):
+                vals = [getattr(r, key) for r in runs if getattr(r, key) is not None]
+                if vals:
+                    s[key] = statistics.median(vals)
+                    s[key.replace("_ms_per_step", "_fraction")] = s[key] / 1e3 / base_median
             s["collector_s"] = statistics.median(r.collector_s or 0.0 for r in runs)
             s["collector_max_s"] = max(r.collector_s or 0.0 for r in runs)
         s["wall_s"] = statistics.median(r.wall_s for r in runs)
@@ -413,6 +449,14 @@ def fmt_ms(x: float) -> str:
     return f"{x * 1e3:.1f}"
 
 
+def agent_cpu_cell(x: dict[str, Any]) -> str:
+    if "agent_cpu_ms_per_step" not in x:
+        return "-"
+    hooks, writer = x["agent_cpu_ms_per_step"], x.get("writer_cpu_ms_per_step", 0.0)
+    frac = x["agent_cpu_fraction"] + x.get("writer_cpu_fraction", 0.0)
+    return f"{hooks:.1f} + {writer:.1f} ({frac:.1%} of a baseline step)"
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     s, v, m, p = doc["summary"], doc["verdict"], doc["machine"], doc["parameters"]
     lines = [
@@ -444,8 +488,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "costs (snapshots, DataLoader re-forks at epoch boundaries) that the median leaves out.",
         "",
         "| config | what | step ms (median) | min-max over runs | ratio | paired ratio [IQR] | ratio of means "
-        "| trace B/step | spool B/step | collector s | CPU s/run |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| trace B/step | spool B/step | collector s | CPU s/run | agent CPU ms/step (hooks + writer) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     descr = {c.name: c.description for c in CONFIGS}
     for name, x in s.items():
@@ -456,14 +500,19 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"| {fmt_ms(x['step_median_min_s'])}-{fmt_ms(x['step_median_max_s'])} "
             f"| {x['ratio']:.3f} | {x['ratio_paired_median']:.3f} [{q1:.3f}, {q3:.3f}] | {x['ratio_mean']:.3f} "
             f"| {fmt_bytes(x.get('trace_bytes_per_step'))} | {fmt_bytes(x.get('spool_bytes_per_step'))} "
-            f"| {collector} | {x['cpu_s']:.1f} |"
+            f"| {collector} | {x['cpu_s']:.1f} | {agent_cpu_cell(x)} |"
         )
     lines += [
         "",
         "Bytes per step = size of the run's `trace.zarr` (and of its `spool/`, which `record` keeps) "
         f"divided by the {p['steps']} steps; it includes the fixed part (step-0 collectives, the step-0 "
         "snapshot, metadata), so it overstates the marginal cost of short runs. Collector = "
-        "`record`'s own `trace written to ... in X s` (after training; not in the step time).",
+        "`record`'s own `trace written to ... in X s` (after training; not in the step time). "
+        "Agent CPU = the agent's own account of its cost, from the cumulative `cpu_ns` of each step "
+        "event (thread CPU time in its hooks, less the program's own collectives and waits they run; "
+        "and its writer thread's CPU time): per rank the median over the measured steps, then the "
+        "mean over ranks. The wall-clock ratio also sees what that CPU time displaces on a busy "
+        "machine, and not what overlaps with idle time.",
         "",
         "Checks on every recorded run: exit code 0, all step lines printed, `fsdp-replay inspect --json` "
         "shows both ranks complete with all steps, no damage/agent errors/drops, expected payload "

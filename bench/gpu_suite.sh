@@ -14,8 +14,9 @@ else
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$OUT/machine.txt"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" 2>&1 | tee "$OUT/gpu-tests.log"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -o addopts="" 2>&1 | tee "$OUT/gpu-tests.log"
 echo "gpu tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
-python3 bench/bench_record.py --nproc 1 --device cuda --steps ${BENCH_STEPS:-40} --reps ${BENCH_REPS:-4} \
+python3 bench/bench_record.py --nproc 1 --device cuda --steps ${BENCH_STEPS:-30} --reps ${BENCH_REPS:-4} \
+  --configs ${BENCH_CONFIGS:-meta,meta-nosync} --cooldown 0 \
   --train-args="--deterministic --d-model 1024 --layers 8 --heads 16 --seq-len 512 --batch-size 16 --vocab 8192 --workers 2" \
   --results "$OUT/record_overhead_gpu" 2>&1 | tail -40 | tee "$OUT/bench.log"

@@ -1,6 +1,6 @@
 """The batched lin64 path of ``fingerprint_many`` gives the per-tensor values, in few torch ops.
 
-On the CPU, ``fingerprint_many`` keeps computing zlib64 per tensor; the batched lin64 path that it
+On the CPU, ``fingerprint_many`` keeps computing zlib64/sk64 per tensor (by size); the batched lin64 path that it
 uses on CUDA is ``_lin64_many`` here, checked against ``fingerprint(t, "lin64")`` and the numpy
 reference. The ``gpu`` test checks ``fingerprint_many`` itself on CUDA tensors.
 """
@@ -189,10 +189,10 @@ def test_the_layout_cache_is_bounded() -> None:
     assert len(fpm._LAYOUTS) <= fpm._LAYOUT_CACHE_SIZE
 
 
-def test_fingerprint_many_on_the_cpu_is_zlib64_per_tensor() -> None:
-    tensors = mixed(seed=1)
+def test_fingerprint_many_on_the_cpu_is_per_tensor() -> None:
+    tensors = [*mixed(seed=1), torch.ones(1 << 15)]
     assert fingerprint_many(tensors) == [fingerprint(t) for t in tensors]
-    assert {algo for _, _, algo in fingerprint_many(tensors)} == {"zlib64"}
+    assert {algo for _, _, algo in fingerprint_many(tensors)} == {"zlib64", "sk64"}
     assert fingerprint_many([]) == []
 
 

@@ -113,6 +113,7 @@ def test_identical_payloads_are_stored_once(tmp_path: Path) -> None:
         assert outs.sum() == (t["role"] == 1).sum(), "policy 'all' stores every output"
         digests[r] = [rt.payload_digest(int(p)) for p in t["payload"][outs]]
         end = rt.attrs["end"]["counters"]
+        assert end["agent_cpu_ns"] > 0 and end["writer_cpu_ns"] > 0  # the agent measures its own cost
         # FSDP2 re-gathers the same parameters in backward: the agent writes those bytes once.
         assert end["blobs_deduplicated"] > 0
         assert len(set(digests[r])) < len(digests[r])

@@ -84,6 +84,7 @@ def test_optional_event_keys_pinned() -> None:
     assert {k: set(v) for k, v in schema.OPTIONAL_EVENT_KEYS.items()} == {
         "coll": {"extra", "async"},
         "end": {"inflight"},
+        "step": {"cpu_ns"},
     }
     for ev, keys in schema.OPTIONAL_EVENT_KEYS.items():
         assert ev in schema.EVENT_KEYS
@@ -93,7 +94,8 @@ def test_optional_event_keys_pinned() -> None:
 def test_tensor_fields_pinned() -> None:
     assert schema.TENSOR_FIELDS == ("role", "dtype", "shape", "fp", "algo", "nonfinite", "blob", "device")
     assert schema.NO_BLOB == -1
-    assert schema.FINGERPRINT_ALGOS == ("zlib64", "lin64")
+    assert schema.FINGERPRINT_ALGOS == ("zlib64", "lin64", "sk64")
+    assert schema.SK64_MIN_BYTES == 64 << 10
 
 
 def test_spool_constants_pinned() -> None:
@@ -172,6 +174,8 @@ def test_tables_pinned() -> None:
             "loss_start": "int64",
             "loss_count": "int32",
             "nonfinite": "bool",
+            "agent_cpu_ns": "int64",
+            "writer_cpu_ns": "int64",
         },
         "step_params": {"fp": "uint64", "nonfinite": "bool", "algo": "int16"},
         "losses": {"value": "float64"},
@@ -380,8 +384,8 @@ DTYPES = [
     torch.uint8,
     torch.bool,
 ]
-SIZES = [0, 1, 3, 7, 1023, 1024, 1025, 4099, 100_000]
-ALGOS = ["zlib64", "lin64"]
+SIZES = [0, 1, 3, 7, 63, 64, 65, 511, 512, 513, 1023, 1024, 1025, 4099, 100_000]
+ALGOS = ["zlib64", "lin64", "sk64"]
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -458,6 +462,26 @@ def test_scalars_and_shapes_do_not_matter_beyond_bytes() -> None:
 def test_empty_input() -> None:
     assert ref.zlib64(b"") == 0
     assert ref.lin64(b"") == ref.combine_lin64(0, 0, 0, 0)
+    assert ref.sk64(b"") == ref.combine_sk64(ref.sk64_crc(0, bytes(8 * ref.SK64_ROW), b""), 0)
+
+
+def test_sk64_sees_sign_swaps_that_cancel_in_every_sum() -> None:
+    """x and -x in the upper halves of two words differ by exactly 2**63: swapping them leaves the
+    total unchanged and moves two row (or column) sums by 2**63; the sketch's CRC still sees it."""
+    for d in (2, 128, 130, 1280):  # same row / same column / both differ / ten rows apart
+        t = torch.zeros(4096, dtype=torch.float32)
+        t[1], t[1 + d] = 3.0, -3.0
+        u = t.clone()
+        u[1], u[1 + d] = -3.0, 3.0
+        assert torch_fingerprint(t, "sk64")[0] != torch_fingerprint(u, "sk64")[0], d
+        assert ref.sk64(raw_bytes(t)) != ref.sk64(raw_bytes(u)), d
+
+
+def test_recording_picks_sk64_for_large_cpu_tensors() -> None:
+    small = torch.zeros(schema.SK64_MIN_BYTES // 4 - 1)
+    large = torch.zeros(schema.SK64_MIN_BYTES // 4)
+    assert torch_fingerprint(small)[2] == "zlib64"
+    assert torch_fingerprint(large)[2] == "sk64"
 
 
 def test_nonfinite_flag_is_the_float_sum() -> None:
@@ -512,6 +536,9 @@ def test_a_swap_of_two_unequal_elements_changes_both_fingerprints(dtype: torch.d
         (17, 1025),
         (0, 2048),
         (0, 4999),
+        (1, 64),  # sk64: same row (float32: two per word, 128 per row)
+        (3, 128),  # sk64: same column, next row
+        (7, 512),  # sk64: same column four rows on (float32), one row on (int8)
     ]:
         u = t.clone()
         a, b = u[i].clone(), u[i + d].clone()

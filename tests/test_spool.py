@@ -328,3 +328,31 @@ def test_failed_roll_never_writes_into_another_file(tmp_path: Path, monkeypatch:
     report = spool.SegmentReport()
     list(spool.read_rank(tmp_path / "rank-00000", report))
     assert report.damage == []
+
+
+def test_append_many_is_one_batch_of_records(tmp_path: Path) -> None:
+    w = spool.SpoolWriter(tmp_path / "rank-00000", 0)
+    events = [{"type": "x", "i": i, "pad": "y" * i} for i in range(700)]  # more pieces than one writev
+    w.append(schema.KIND_EVENT, {"type": "first"})
+    w.append_many([(schema.KIND_EVENT, json.dumps(e).encode()) for e in events])
+    w.append(schema.KIND_EVENT, {"type": "last"})
+    assert w.records_written == 702
+    w.close()
+    report = spool.SegmentReport()
+    got = [r.obj for r in spool.read_rank(tmp_path / "rank-00000", report)]
+    assert got == [{"type": "first"}, *events, {"type": "last"}] and report.damage == []
+
+
+def test_append_many_on_a_full_disk_writes_none_of_the_batch(tiny_fs: Path) -> None:
+    folder = tiny_fs / "rank-00000"
+    w = spool.SpoolWriter(folder, 0)
+    w.append(schema.KIND_EVENT, {"type": "kept"})
+    batch = [
+        (schema.KIND_EVENT, json.dumps({"type": "x", "pad": "z" * 1000, "i": i}).encode()) for i in range(100)
+    ]
+    with pytest.raises(OSError):
+        w.append_many(batch)
+    assert w.segment_path.stat().st_size == w._offset
+    w.close()
+    report = spool.SegmentReport()
+    assert [r.obj for r in spool.read_rank(folder, report)] == [{"type": "kept"}] and report.damage == []

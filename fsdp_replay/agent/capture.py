@@ -7,6 +7,7 @@ happens on the writer thread (``encode_*``).
 from __future__ import annotations
 
 import base64
+import ctypes
 import gc
 import hashlib
 import io
@@ -142,27 +143,35 @@ def rng_state() -> dict[str, Any]:
 
 
 def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(bytes(t.tolist())).decode()
+    t = t.contiguous()
+    return base64.b64encode(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())).decode()
 
 
 def encode_rng(state: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-    """(fingerprints per component, JSON bytes of the whole state) on the writer thread."""
-    doc: dict[str, Any] = {}
+    """(fingerprints per component, JSON bytes of the whole state) on the writer thread.
+
+    Each step's states are encoded (the replay checks their fingerprints), so this is on the
+    recording's per-step budget: each component is serialized once, and the document is joined
+    from those pieces (the same bytes as ``json.dumps(doc, separators=(",", ":"))``)."""
+    pieces: dict[str, str] = {}
+    fps: dict[str, Any] = {}
     version, internal, gauss = state["python"]
-    doc["python"] = [version, list(internal), gauss]
-    doc["torch"] = _b64(state["torch"])
+    pieces["python"] = json.dumps([version, list(internal), gauss], separators=(",", ":"))
+    pieces["torch"] = json.dumps(_b64(state["torch"]))
     if "numpy" in state:
         name, keys, pos, has_gauss, cached = state["numpy"]
-        doc["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+        keys = keys.tolist() if hasattr(keys, "tolist") else [int(k) for k in keys]
+        pieces["numpy"] = json.dumps(
+            [name, keys, int(pos), int(has_gauss), float(cached)], separators=(",", ":")
+        )
+    for k, v in pieces.items():
+        fps[k] = zlib.crc32(v.encode())
     if "cuda" in state:
-        doc["cuda"] = [_b64(t) for t in state["cuda"]]
-    fps: dict[str, Any] = {}
-    for k, v in doc.items():
-        if k == "cuda":
-            fps[k] = [zlib.crc32(json.dumps(x).encode()) for x in v]
-        else:
-            fps[k] = zlib.crc32(json.dumps(v, separators=(",", ":")).encode())
-    return fps, json.dumps(doc, separators=(",", ":")).encode()
+        cuda = [json.dumps(_b64(t)) for t in state["cuda"]]
+        fps["cuda"] = [zlib.crc32(x.encode()) for x in cuda]
+        pieces["cuda"] = "[" + ",".join(cuda) + "]"
+    body = ",".join(f"{json.dumps(k)}:{v}" for k, v in pieces.items())
+    return fps, ("{" + body + "}").encode()
 
 
 def decode_rng(data: bytes) -> dict[str, Any]:
@@ -199,7 +208,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a (possibly DTensor) tensor this rank holds."""
+    """The part of a (possibly DTensor) tensor this rank holds (its data, outside autograd)."""
+    if type(t) is torch.Tensor or (isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor):
+        return t
+    inner = getattr(t, "_local_tensor", None)  # DTensor: what to_local() returns, without autograd
+    if isinstance(inner, torch.Tensor):
+        return inner
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 

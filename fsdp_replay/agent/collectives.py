@@ -60,6 +60,7 @@ _FUNCTIONAL_IN_ARGS = frozenset({"input", "inputs"})
 
 
 _COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
+_REDUCE_OP_NAMES: dict[int, str] = {}
 
 
 def _overload(namespace: Any, name: str) -> Any:
@@ -107,7 +108,11 @@ class CollectiveCall:
             return None
         if isinstance(op, str):
             return op.upper()
-        return dist.ReduceOp.RedOpType(op.op()).name
+        code = op.op()
+        name = _REDUCE_OP_NAMES.get(code)
+        if name is None:
+            name = _REDUCE_OP_NAMES[code] = dist.ReduceOp.RedOpType(code).name
+        return name
 
     def set_outputs(self, result: Any) -> None:
         """For functional collectives: the outputs are what the op returned."""

@@ -12,6 +12,7 @@ A guard turns any exception of ours into ``recorder.fail`` and lets the program'
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,9 @@ from fsdp_replay.agent.collectives import CollectiveInterceptor, Handler
 
 
 class Guarded:
-    """Calls ``fn`` only while the recorder is active, and never lets it raise."""
+    """Calls ``fn`` only while the recorder is active, and never lets it raise. The thread CPU
+    time it takes, less the program's own work it ran (``owner.program_ns``), is added to
+    ``owner.cpu_ns``: what the agent costs the program."""
 
     def __init__(self, owner: Any, where: str) -> None:
         self.owner = owner
@@ -38,11 +41,14 @@ class Guarded:
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if not owner.active():
                 return None
+            t0, p0 = time.thread_time_ns(), owner.program_ns
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
                 owner.fail(where, e)
                 return None
+            finally:
+                owner.cpu_ns += time.thread_time_ns() - t0 - (owner.program_ns - p0)
 
         return guarded
 

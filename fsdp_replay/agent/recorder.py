@@ -26,17 +26,34 @@ import torch.distributed as dist
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import DEFERRABLE_OPS, P2P_OPS, CollectiveCall, wait_result, work_of
 from fsdp_replay.agent.config import AgentConfig
-from fsdp_replay.agent.fingerprint import fingerprint, fingerprint_many, host_values, nbytes_of
+from fsdp_replay.agent.fingerprint import (
+    fingerprint,
+    fingerprint_many,
+    fingerprint_with_region,
+    host_values,
+    nbytes_of,
+    region_of,
+)
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.spool import SpoolWriter, rank_dir
 
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60.0
+# All-gathers whose input may be a slice of their output (in place), left unchanged by the op.
+REGION_OPS = frozenset(
+    {"_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_", "allgather_coalesced_"}
+)
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def encode_structure(x: Any, tensors: list[torch.Tensor]) -> Any:
@@ -80,8 +97,12 @@ class Recorder:
         self.config = config
         self.pid = os.getpid()
         self.recording = True
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: Recorder._forked(ref))
         self.failed = False
         self.errors = 0
+        self.cpu_ns = 0  # thread CPU time spent in our hooks, on the program's threads
+        self.program_ns = 0  # of which the program's own work they ran (not counted in cpu_ns)
         self.writer: BackgroundWriter | None = None
         self.rank = -1
         self.t0 = time.monotonic_ns()
@@ -108,6 +129,7 @@ class Recorder:
         self.module_idx = 0
         self._deferred: list[tuple[Any, CollectiveCall, dict[str, Any]]] = []
         self._pending_marker: threading.Event | None = None
+        self._on_gpu: bool | None = None  # the primary optimizer's parameters are on a GPU
         self.tap: Any = None
         if not config.module_fingerprints.empty:
             from fsdp_replay.agent.modules import ModuleTap
@@ -117,8 +139,15 @@ class Recorder:
 
     # -- life cycle ---------------------------------------------------------------------------
     def active(self) -> bool:
-        # A forked child (DataLoader worker) inherits this object but not the writer thread.
-        return self.recording and os.getpid() == self.pid
+        # A forked child (DataLoader worker) inherits this object but not the writer thread:
+        # _forked() turns ``recording`` off in the child.
+        return self.recording
+
+    @staticmethod
+    def _forked(ref: weakref.ref[Recorder]) -> None:
+        rec = ref()
+        if rec is not None and os.getpid() != rec.pid:
+            rec.recording = False
 
     def fail(self, where: str, exc: BaseException) -> None:
         """Stop recording after an internal error: log once, count, leave the program alone."""
@@ -171,7 +200,12 @@ class Recorder:
                     "sync_steps": self.config.sync_steps,
                 },
                 "start_ns": time.time_ns(),
-                "fingerprint_algos": {"cpu": schema.FP_ZLIB64, "cuda": schema.FP_LIN64},
+                "fingerprint_algos": {
+                    "cpu": schema.FP_ZLIB64,
+                    "cpu_large": schema.FP_SK64,
+                    "cpu_large_min_bytes": schema.SK64_MIN_BYTES,
+                    "cuda": schema.FP_LIN64,
+                },
             }
 
             def with_script() -> list[tuple[str, Any]]:
@@ -209,6 +243,8 @@ class Recorder:
         self._write_modules(w)
         counters = w.counters.as_dict()
         counters["agent_errors"] = self.errors
+        counters["agent_cpu_ns"] = self.cpu_ns
+        counters["writer_cpu_ns"] = w.cpu_ns()
         counters["batches"] = self.batches
         counters["snapshots"] = self.snapshots
         w.event(
@@ -239,11 +275,14 @@ class Recorder:
         w.call(hashed)
 
     # -- tensors ------------------------------------------------------------------------------
-    def _tensor(self, role: str, t: torch.Tensor, store: bool) -> list[Any]:
+    def _tensor(
+        self, role: str, t: torch.Tensor, store: bool, known: tuple[int, bool, str] | None = None
+    ) -> list[Any]:
+        """A tensor's record; fingerprinted here unless its (fingerprint, nonfinite, algo) is ``known``."""
         w = self.writer
         assert w is not None
         t = capture.local(t)
-        fp, nf, algo = fingerprint(t)
+        fp, nf, algo = known if known is not None else fingerprint(t)
         blob: Any = schema.NO_BLOB
         if store:
             nbytes = nbytes_of(t)
@@ -294,12 +333,31 @@ class Recorder:
         return pid
 
     def run(self, call: CollectiveCall, real: Callable[[], Any]) -> Any:
+        """Record one collective around ``real()``; our thread CPU time (not the collective's)
+        is added to ``cpu_ns``."""
+        t0, p0 = time.thread_time_ns(), self.program_ns
+        try:
+            return self._run(call, real)
+        finally:
+            self.cpu_ns += time.thread_time_ns() - t0 - (self.program_ns - p0)
+
+    def _program(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the program's own work (the collective, its wait) inside our hooks, timed apart."""
+        t0 = time.thread_time_ns()
+        try:
+            return fn(*args)
+        finally:
+            self.program_ns += time.thread_time_ns() - t0
+
+    def _run(self, call: CollectiveCall, real: Callable[[], Any]) -> Any:
         if self._deferred:
             self.complete_deferred()
         try:
             self._check_fault("coll")
             self._ensure_started()
             store_in = self.payload_now and self.config.payload_inputs
+            regions = self._regions(call) if not store_in else {}
+            late = self._late_inputs(call, regions) if not store_in else set()
             event: dict[str, Any] = {
                 "type": schema.EV_COLLECTIVE,
                 "seq": self.seq,
@@ -311,19 +369,32 @@ class Recorder:
                 "root": call.bound.get("root_rank", call.bound.get("dst", call.bound.get("src"))),
                 "t_ns": time.monotonic_ns() - self.t0,
                 "dur_ns": 0,
-                "tensors": [self._tensor("i", t, store_in) for t in call.inputs],
+                "tensors": [
+                    self._placeholder(t) if i in regions or i in late else self._tensor("i", t, store_in)
+                    for i, t in enumerate(call.inputs)
+                ],
             }
+            if regions:
+                event["_regions"] = regions
             extra = call.extra
             if extra:
                 event["extra"] = extra
             event["_store_outputs"] = self.payload_now  # decided at issue, even if completed later
             self.seq += 1
-            self.inflight = {k: event[k] for k in ("seq", "step", "op", "pg", "t_ns")}
+            self.inflight = {
+                "seq": event["seq"],
+                "step": event["step"],
+                "op": event["op"],
+                "pg": event["pg"],
+                "t_ns": event["t_ns"],
+            }
         except Exception as e:
             self.fail(f"collective {call.op}", e)
-            return real()
-        result = real()
+            return self._program(real)
+        result = self._program(real)
         try:
+            for i in late:  # while the collective runs (it only reads them)
+                event["tensors"][i] = self._tensor("i", call.inputs[i], False)
             call.set_outputs(result)
             work = None if call.functional else work_of(result)
             p2p = call.op in P2P_OPS and call.outputs and call.outputs[0].device.type == "cpu"
@@ -341,11 +412,59 @@ class Recorder:
             return result
         # The program's own error (a timeout, an abort) propagates from these waits, as it would from its own.
         if call.functional:
-            wait_result(result, call)
+            self._program(wait_result, result, call)
         elif work is not None:
-            work.wait()
+            self._program(work.wait)
         self._complete(call, event)
         return result
+
+    def _regions(self, call: CollectiveCall) -> dict[int, tuple[int, int]]:
+        """Inputs of an in-place all-gather that are a part of one of its outputs (FSDP2): input
+        index -> (output index, byte offset). Their bytes are not changed by the op, so they are
+        fingerprinted with the output, once, when it completes (``fingerprint_with_region``)."""
+        if call.op not in REGION_OPS:
+            return {}
+        found: dict[int, tuple[int, int]] = {}
+        taken: set[int] = set()
+        outs = [capture.local(o) for o in call.outputs]
+        for i, t in enumerate(call.inputs):
+            t = capture.local(t)
+            for j, o in enumerate(outs):
+                off = region_of(t, o) if j not in taken else None
+                if off is not None:
+                    found[i] = (j, off)
+                    taken.add(j)
+                    break
+        return found
+
+    @staticmethod
+    def _late_inputs(call: CollectiveCall, regions: dict[int, tuple[int, int]]) -> set[int]:
+        """CPU inputs that share no memory with any output: the collective only reads them, so
+        they are fingerprinted right after it is issued, while it runs (gloo works on its own
+        threads), rather than before. Not for functional ops, whose outputs are not known yet."""
+        if call.functional or call.op in P2P_OPS:  # P2P events may be completed on another thread
+            return set()
+        outs = {capture.local(o).untyped_storage().data_ptr() for o in call.outputs}
+        late = set()
+        for i, t in enumerate(call.inputs):
+            t = capture.local(t)
+            if i not in regions and t.device.type == "cpu" and t.untyped_storage().data_ptr() not in outs:
+                late.add(i)
+        return late
+
+    @staticmethod
+    def _placeholder(t: torch.Tensor) -> list[Any]:
+        t = capture.local(t)
+        return [
+            "i",
+            dtype_name(t.dtype),
+            list(t.shape),
+            None,
+            schema.FP_SK64,
+            None,
+            schema.NO_BLOB,
+            t.device.type,
+        ]
 
     def _deferrable(self, call: CollectiveCall) -> bool:
         return (
@@ -371,7 +490,7 @@ class Recorder:
                 self._deferred.append((work, call, event))
                 continue
             if not done:
-                work.wait()  # the program's own error propagates, as from its own wait
+                self._program(work.wait)  # the program's own error propagates, as from its own wait
             self._complete(call, event)
 
     def _complete(self, call: CollectiveCall, event: dict[str, Any]) -> None:
@@ -379,7 +498,16 @@ class Recorder:
             if not self.active():
                 return
             store = event.pop("_store_outputs", self.payload_now)
-            event["tensors"] += [self._tensor("o", t, store) for t in call.outputs]
+            regions: dict[int, tuple[int, int]] = event.pop("_regions", {})
+            known: dict[int, tuple[int, bool, str]] = {}
+            for i, (j, off) in regions.items():
+                out = capture.local(call.outputs[j])
+                whole, part = fingerprint_with_region(out, off, nbytes_of(capture.local(call.inputs[i])))
+                event["tensors"][i][3:6] = [part[0], schema.FP_SK64, part[1]]
+                known[j] = (whole[0], whole[1], schema.FP_SK64)
+            event["tensors"] += [
+                self._tensor("o", t, store, known.get(j)) for j, t in enumerate(call.outputs)
+            ]
             event["dur_ns"] = time.monotonic_ns() - self.t0 - event["t_ns"]
             assert self.writer is not None
             self.writer.event(event)
@@ -415,6 +543,7 @@ class Recorder:
                 "params": [[fp, nf, algo] for fp, nf, algo in params],
                 "loss": loss,
                 "t_ns": time.monotonic_ns() - self.t0,
+                "cpu_ns": [self.cpu_ns, w.cpu_ns()],
             }
         )
         if self.step == 0:
@@ -431,12 +560,8 @@ class Recorder:
         every = self.config.snapshot_every
         if every and self.step % every == 0:
             self._snapshot(opt)
-        if self.config.sync_steps and not w.flush(FLUSH_TIMEOUT_S):
-            log.warning(
-                "fsdp-replay: the spool writer did not finish step %d within %.0fs",
-                self.step - 1,
-                FLUSH_TIMEOUT_S,
-            )
+        if self.config.sync_steps:
+            self._sync_step(w, opt)
 
     def _sync_step(self, w: BackgroundWriter, opt: torch.optim.Optimizer) -> None:
         """Crash consistency: a finished step's records reach the disk before the next step ends.
@@ -446,12 +571,17 @@ class Recorder:
         until the device drains (no more running ahead), so we wait for the previous step's
         records instead, which the device has long finished.
         """
-        on_gpu = any(p.device.type != "cpu" for p in capture.optimizer_params(opt)[:1])
+        if self._on_gpu is None:
+            self._on_gpu = any(p.device.type != "cpu" for p in capture.optimizer_params(opt)[:1])
         marker = w.marker()
-        wait_for = self._pending_marker if on_gpu else marker
+        wait_for = self._pending_marker if self._on_gpu else marker
         self._pending_marker = marker
         if wait_for is not None and not wait_for.wait(FLUSH_TIMEOUT_S):
-            log.warning("fsdp-replay: the spool writer is more than %.0fs behind", FLUSH_TIMEOUT_S)
+            log.warning(
+                "fsdp-replay: the spool writer did not finish step %d within %.0fs",
+                self.step - (2 if self._on_gpu else 1),
+                FLUSH_TIMEOUT_S,
+            )
 
     def _name_params(self, opt: torch.optim.Optimizer) -> None:
         for ref in self.roots:

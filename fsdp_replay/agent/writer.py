@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,10 @@ from fsdp_replay.trace.spool import SpoolWriter
 
 log = logging.getLogger(__name__)
 RETRY_EVENTS_MAX = 100_000
+# The writer takes pending events at least this often (the most a SIGKILL can lose of them,
+# beyond the current step's sync), and asks ``on_idle`` about once per IDLE_S while idle.
+POLL_S = 0.05
+IDLE_S = 1.0
 # Below this much free space, a failed write turns payloads off and releases the reserve.
 LOW_WATER_BYTES = 4 << 20
 
@@ -73,7 +78,7 @@ class BackgroundWriter:
     ) -> None:
         self.spool = spool
         self.on_error = on_error
-        self.on_idle = on_idle  # asked once a second while idle: an event to write, or None
+        self.on_idle = on_idle  # asked about once a second while idle: an event to write, or None
         self.counters = Counters()
         self.pending_bytes = 0  # payload bytes enqueued and not yet written (read by the agent)
         self.payloads_off = False  # set once the disk filled: from then on, metadata only
@@ -82,23 +87,39 @@ class BackgroundWriter:
         self._next_blob = 0
         self._retry: collections.deque[bytes] = collections.deque()
         self._lock = threading.Lock()
+        self._events: list[dict[str, Any]] = []
+        self._events_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="fsdp-replay-writer", daemon=True)
         self._thread.start()
 
     # -- training-thread side ---------------------------------------------------------------
+    # Events are appended to a list, not put on the queue: the writer takes them in batches
+    # (every POLL_S, or before the next queued item), so an event costs the training thread a
+    # list append instead of waking the writer and handing it the GIL. Queued items (blobs,
+    # calls, flush markers) first move the pending events onto the queue, under a lock, so
+    # the writer sees everything in the order it was enqueued, and an event is never encoded
+    # before the blobs it refers to were written.
     def event(self, obj: dict[str, Any]) -> None:
-        self._q.put(("ev", obj))
+        with self._events_lock:
+            self._events.append(obj)
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        with self._events_lock:
+            if self._events:
+                self._q.put(("evs", self._events))
+                self._events = []
+            self._q.put(item)
 
     def blob(self, ref: BlobRef, data: Any, fp: Any, nbytes: int, algo: str, ready: Any = None) -> None:
         """Enqueue payload bytes. ``data`` is a CPU tensor or bytes; ``ready`` an event to wait on."""
         with self._lock:
             self.pending_bytes += nbytes
-        self._q.put(("blob", (ref, data, fp, nbytes, algo, ready)))
+        self._put(("blob", (ref, data, fp, nbytes, algo, ready)))
 
     def call(self, fn: Callable[[], list[tuple[str, Any]]]) -> None:
         """Run fn on the writer thread; it returns ("ev", obj), ("raw", (ref, bytes)) (metadata
         blobs: RNG states) and ("payload", (ref, bytes)) (snapshots: dropped first) items."""
-        self._q.put(("call", fn))
+        self._put(("call", fn))
 
     def marker(self) -> threading.Event:
         """An event set once everything enqueued so far is written."""
@@ -106,7 +127,7 @@ class BackgroundWriter:
         if not self._thread.is_alive():
             done.set()
             return done
-        self._q.put(("flush", done))
+        self._put(("flush", done))
         return done
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -115,19 +136,39 @@ class BackgroundWriter:
             return False
         return self.marker().wait(timeout)
 
+    def cpu_ns(self) -> int:
+        """The CPU time this thread has used so far (0 where the platform cannot tell)."""
+        ident = self._thread.ident
+        try:
+            return time.clock_gettime_ns(time.pthread_getcpuclockid(ident)) if ident is not None else 0
+        except (AttributeError, OSError):  # not on Linux, or the thread has ended
+            return 0
+
     def close(self, timeout: float = 30.0) -> None:
         if self._thread.is_alive():
-            self._q.put(("stop", None))
+            self._put(("stop", None))
             self._thread.join(timeout)
         self.spool.close()
 
     # -- writer-thread side -----------------------------------------------------------------
     def _run(self) -> None:
+        idle_since = time.monotonic()
         while True:
             try:
-                kind, item = self._q.get(timeout=1.0)
+                kind, item = self._q.get(timeout=POLL_S)
             except queue.Empty:
-                self._idle()
+                with self._events_lock:
+                    # Only when nothing is queued: every blob an event refers to is written.
+                    taken, self._events = (self._events, []) if self._q.empty() else ([], self._events)
+                if taken:
+                    self._write_events(taken)
+                elif time.monotonic() - idle_since >= IDLE_S:
+                    idle_since = time.monotonic()
+                    self._idle()
+                continue
+            idle_since = time.monotonic()
+            if kind == "evs":
+                self._write_events(item)
                 continue
             try:
                 if kind == "stop":
@@ -136,8 +177,6 @@ class BackgroundWriter:
                 if kind == "flush":
                     self._drain_retry()
                     item.set()
-                elif kind == "ev":
-                    self._write_event(item)
                 elif kind == "blob":
                     self._write_blob(*item)
                 elif kind == "call":
@@ -165,6 +204,24 @@ class BackgroundWriter:
                 self._write_event(ev)
         except BaseException as e:
             self.on_error("writer (idle)", e)
+
+    def _write_events(self, batch: list[dict[str, Any]]) -> None:
+        """Write a batch of events with as few system calls as possible."""
+        try:
+            if len(batch) == 1 or self._retry:
+                for obj in batch:
+                    self._write_event(obj)
+                return
+            data = [json.dumps(o, default=_json_default, separators=(",", ":")).encode() for o in batch]
+            try:
+                self.spool.append_many([(schema.KIND_EVENT, d) for d in data])
+                self.counters.events += len(data)
+            except OSError as e:
+                self._note_write_error(e)
+                for d in data:
+                    self._queue_retry(d)
+        except BaseException as e:  # a bug here must stop recording, never the training
+            self.on_error("writer", e)
 
     def _write_event(self, obj: dict[str, Any]) -> None:
         # Encoding resolves Pending/BlobRef values, so a retried event holds no device memory.

@@ -66,6 +66,8 @@ class Replayer:
         self.config = config
         self.pid = os.getpid()
         self.t0 = time.monotonic()
+        self.cpu_ns = 0  # thread CPU time in the hooks (the hooks' Guarded adds to it)
+        self.program_ns = 0
         self.live = config.live
         # All-rank replay runs under torchrun: each process replays the rank torchrun gave it.
         self.rank = int(os.environ.get("RANK", config.rank)) if self.live else config.rank

@@ -83,6 +83,8 @@ TABLES: dict[str, dict[str, str]] = {
         "loss_start": "int64",
         "loss_count": "int32",
         "nonfinite": "bool",
+        "agent_cpu_ns": "int64",
+        "writer_cpu_ns": "int64",
     },
     "step_params": {"fp": "uint64", "nonfinite": "bool", "algo": "int16"},
     "losses": {"value": "float64"},
@@ -343,6 +345,8 @@ class _RankBuilder:
             "loss_start": lstart,
             "loss_count": len(losses),
             "nonfinite": nonfinite,
+            "agent_cpu_ns": int(ev.get("cpu_ns", (-1, -1))[0]),
+            "writer_cpu_ns": int(ev.get("cpu_ns", (-1, -1))[1]),
         }
         for k, v in values.items():
             s[k].append(v)

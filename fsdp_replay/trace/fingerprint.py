@@ -15,6 +15,7 @@ from fsdp_replay.trace import schema
 
 MASK64 = (1 << 64) - 1
 LIN64_ROW = 1024
+SK64_ROW = 32  # int64 words per row of the sk64 layout (256 bytes)
 
 
 def splitmix64(x: int) -> int:
@@ -27,6 +28,18 @@ def splitmix64(x: int) -> int:
 def combine_zlib64(crc: int, int64_sum: int) -> int:
     s = int64_sum & MASK64
     return ((crc & 0xFFFFFFFF) << 32) | ((s ^ (s >> 32)) & 0xFFFFFFFF)
+
+
+def combine_sk64(crc: int, int64_sum: int) -> int:
+    """The low half is (lo + hi) mod 2**32 of the word sum: it changes whenever the sum changes by
+    +-2**b, so every single-bit change of the data changes it (an xor fold would not always)."""
+    s = int64_sum & MASK64
+    return ((crc & 0xFFFFFFFF) << 32) | (((s & 0xFFFFFFFF) + (s >> 32)) & 0xFFFFFFFF)
+
+
+def sk64_crc(nbytes: int, colsums: bytes | memoryview, rowsums: bytes | memoryview) -> int:
+    """CRC-32 of the sketch: the byte count (8 bytes), then the column and row sums (little-endian int64)."""
+    return zlib.crc32(rowsums, zlib.crc32(colsums, zlib.crc32(nbytes.to_bytes(8, "little"))))
 
 
 def combine_lin64(s: int, a: int, b: int, nbytes: int) -> int:
@@ -69,9 +82,30 @@ def lin64(data: bytes | memoryview | np.ndarray) -> int:
     return combine_lin64(s, a, b, nbytes)
 
 
+def sk64(data: bytes | memoryview | np.ndarray) -> int:
+    buf = _bytes_view(data)
+    nbytes = len(buf)
+    n8 = nbytes // 8 * 8
+    words = np.frombuffer(buf[:n8], dtype="<i8")
+    if n8 < nbytes:
+        words = np.append(words, np.int64(_tail_word(bytes(buf[n8:]), 8)))
+    rows = -(-words.size // SK64_ROW)
+    flat = np.zeros(rows * SK64_ROW, dtype=np.int64)
+    flat[: words.size] = words
+    grid = flat.reshape(rows, SK64_ROW)
+    with np.errstate(over="ignore"):
+        rowsums = grid.sum(1, dtype=np.int64)
+        colsums = grid.sum(0, dtype=np.int64)
+        total = int(rowsums.sum(dtype=np.int64))
+    crc = sk64_crc(nbytes, colsums.astype("<i8").tobytes(), rowsums.astype("<i8").tobytes())
+    return combine_sk64(crc, total)
+
+
 def fingerprint(algo: str, data: bytes | memoryview | np.ndarray) -> int:
     if algo == schema.FP_ZLIB64:
         return zlib64(data)
     if algo == schema.FP_LIN64:
         return lin64(data)
+    if algo == schema.FP_SK64:
+        return sk64(data)
     raise ValueError(f"unknown fingerprint algorithm {algo!r}")

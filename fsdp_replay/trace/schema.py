@@ -110,6 +110,8 @@ EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
 OPTIONAL_EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
     EV_COLLECTIVE: frozenset({"extra", "async"}),
     EV_END: frozenset({"inflight"}),
+    # [agent hooks, writer thread] CPU ns so far: what recording has cost the process, by step
+    EV_STEP: frozenset({"cpu_ns"}),
 }
 
 # A tensor as recorded in coll/batch/step events: a JSON list with these fields, in order.
@@ -120,7 +122,11 @@ NO_BLOB: Final = -1
 # Fingerprint algorithms (see docs/trace-format.md#fingerprints); `algo` is one of these names.
 FP_ZLIB64: Final = "zlib64"  # CPU: crc32(bytes) << 32 | (sum of little-endian int64 words) mod 2**32
 FP_LIN64: Final = "lin64"  # CUDA: position-weighted sums of int32 words, mixed to 64 bits
-FINGERPRINT_ALGOS: Final = (FP_ZLIB64, FP_LIN64)
+FP_SK64: Final = "sk64"  # CPU, large tensors: crc32 of the row and column sums of int64 words
+FINGERPRINT_ALGOS: Final = (FP_ZLIB64, FP_LIN64, FP_SK64)
+# On the CPU, tensors of at least this many bytes get sk64 (two vectorized passes, several times
+# faster than crc32), smaller ones zlib64 (fewer calls: the fixed cost dominates).
+SK64_MIN_BYTES: Final = 64 << 10
 
 # Collective ops as the c10d dispatcher names them (torch 2.4 .. 2.13). The trace stores the
 # name table per rank (attrs "op_names") so newer ops need no schema change.

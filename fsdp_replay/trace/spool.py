@@ -31,6 +31,7 @@ from fsdp_replay.trace import schema
 _HEADER = struct.Struct(schema.RECORD_HEADER)
 RESERVE_FILE = "reserve"
 _U32 = struct.Struct("<I")
+_IOV_MAX = 512  # pieces per writev (Linux allows 1024)
 assert _HEADER.size == schema.RECORD_HEADER_SIZE
 
 
@@ -51,6 +52,16 @@ def encode_record(kind: int, obj: Any, raw: bytes | memoryview | None = None) ->
         rawlen = memoryview(raw).nbytes
     header = _HEADER.pack(schema.RECORD_MAGIC, kind, 0, len(js) + rawlen, crc, len(js))
     return [header, js] if raw is None else [header, js, raw]
+
+
+def _write_all(fd: int, pieces: list[bytes | memoryview]) -> None:
+    """One ``writev``; short writes (some filesystems) are finished with ``write``."""
+    size = sum(memoryview(p).nbytes for p in pieces)
+    written = os.writev(fd, pieces)
+    if written < size:
+        rest = memoryview(b"".join(bytes(p) for p in pieces))[written:]
+        while rest:
+            rest = rest[os.write(fd, rest) :]
 
 
 class SpoolWriter:
@@ -149,10 +160,7 @@ class SpoolWriter:
             self.roll()
         start = self._offset
         try:
-            written = os.writev(self._fd, pieces)
-            while written < size:  # short writes happen on some filesystems; finish the record
-                rest = b"".join(bytes(p) for p in pieces)[written:]
-                written += os.write(self._fd, rest)
+            _write_all(self._fd, pieces)
         except OSError:
             try:
                 os.ftruncate(self._fd, start)
@@ -163,6 +171,36 @@ class SpoolWriter:
         self._offset += size
         self.bytes_written += size
         self.records_written += 1
+        return size
+
+    def append_many(self, records: list[tuple[int, bytes]]) -> int:
+        """Append several JSON records (``(kind, json bytes)``) with as few ``writev`` calls as
+        possible; all or none are written (OSError leaves the segment as it was). Returns bytes."""
+        if len(records) == 1:
+            return self.append(*records[0])
+        pieces: list[bytes | memoryview] = []
+        for kind, data in records:
+            pieces += encode_record(kind, data)
+        size = sum(memoryview(p).nbytes for p in pieces)
+        if self._fd < 0:
+            self._index += 1
+            self._open_segment()
+        elif self._offset + size > self.max_segment_bytes and self.records_written:
+            self.roll()
+        start = self._offset
+        try:
+            for i in range(0, len(pieces), _IOV_MAX):
+                _write_all(self._fd, pieces[i : i + _IOV_MAX])
+        except OSError:
+            try:
+                os.ftruncate(self._fd, start)
+                os.lseek(self._fd, start, os.SEEK_SET)
+            except OSError:
+                pass
+            raise
+        self._offset += size
+        self.bytes_written += size
+        self.records_written += len(records)
         return size
 
     def roll(self) -> None:
