@@ -24,8 +24,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_replay"
 
 # -- pins -------------------------------------------------------------------------------------
 def test_format_version() -> None:
-    assert schema.FORMAT_VERSION == 1
-    assert frozenset({1}) == schema.READABLE_VERSIONS
+    assert schema.FORMAT_VERSION == 2
+    assert frozenset({1, 2}) == schema.READABLE_VERSIONS
     assert schema.FORMAT_VERSION in schema.READABLE_VERSIONS
 
 

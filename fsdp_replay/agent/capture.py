@@ -137,7 +137,7 @@ def rng_state() -> dict[str, Any]:
     np = sys.modules.get("numpy")
     if np is not None:
         state["numpy"] = np.random.get_state(legacy=True)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (is_available() would ask the driver every step)
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

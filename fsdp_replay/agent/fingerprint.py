@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import struct
 import sys
 import threading
 import zlib
@@ -46,6 +47,10 @@ def host_buffer(t: torch.Tensor) -> Any:
     if n == 0:
         return b""
     return (ctypes.c_char * n).from_address(t.data_ptr())
+
+
+# Events the writer thread waits on are created with blocking=True: it sleeps until the device
+# gets there instead of spinning a core (cudaEventBlockingSync); nothing else waits on them.
 
 
 class Pending:
@@ -151,88 +156,71 @@ def _zlib64_fast(t: torch.Tensor) -> tuple[int, bool] | None:
 
 
 # -- sk64 --------------------------------------------------------------------------------------
-# The words are reduced in chunks of this many bytes, so that the second and third pass over a
-# chunk (column sums, float sum) read it from the L2 cache rather than from memory: ~1.6x faster
-# than three passes over a tensor of a few MB.
+# In a training process every torch call costs several microseconds (more than the reductions
+# themselves for tensors of a few hundred kB), so the common cases below use as few calls as
+# possible: a tensor of whole 256-byte rows takes two int64 reductions and one float sum, and an
+# in-place all-gather output (equal rank slices) the same three for the output and every slice.
 _SK64_ROW_BYTES = SK64_ROW * 8
-_SK64_CHUNK_ROWS = (512 << 10) // _SK64_ROW_BYTES
+_MASK64 = (1 << 64) - 1
+_COLSUMS = struct.Struct(f"<{SK64_ROW}q")
 
 
-class _Sk64Part:
-    """The sk64 sums of a run of whole rows (the last one may be partial), and its float sum."""
-
-    __slots__ = ("colsums", "fsum", "rowsums")
-
-    def __init__(self, rowsums: torch.Tensor, colsums: torch.Tensor, fsum: torch.Tensor | None) -> None:
-        self.rowsums = rowsums
-        self.colsums = colsums
-        self.fsum = fsum
-
-    @staticmethod
-    def join(parts: list[_Sk64Part]) -> _Sk64Part:
-        if len(parts) == 1:
-            return parts[0]
-        fsums = [p.fsum for p in parts if p.fsum is not None]
-        return _Sk64Part(
-            torch.cat([p.rowsums for p in parts]),
-            torch.stack([p.colsums for p in parts]).sum(0),
-            torch.stack(fsums).sum() if fsums else None,
-        )
-
-    def value(self, nbytes: int) -> tuple[int, bool]:
-        rowsums, colsums = self.rowsums.cpu(), self.colsums.cpu()
-        if sys.byteorder == "little":
-            crc = sk64_crc(nbytes, host_buffer(colsums), host_buffer(rowsums))
-        else:
-            crc = sk64_crc(
-                nbytes, colsums.numpy().astype("<i8").tobytes(), rowsums.numpy().astype("<i8").tobytes()
-            )
-        nonfinite = self.fsum is not None and not math.isfinite(float(self.fsum))
-        return combine_sk64(crc, int(colsums.sum())), nonfinite
+def _signed64(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
 
 
-def _sk64_part(words: torch.Tensor, floats: torch.Tensor | None) -> _Sk64Part:
-    """sk64 sums of ``words`` (1-D int64) and the float sum of ``floats`` (the same bytes as a
-    float tensor, or None), chunk by chunk."""
+def _int64s(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU int64 tensor's values, without copying (keep ``t`` alive while used)."""
+    return memoryview(host_buffer(t)).cast("B").cast("q")
+
+
+def _sk64_value(nbytes: int, colsums: list[int], rowsums: Any) -> int:
+    """sk64 from the column sums (Python ints) and the row sums (a little-endian int64 buffer)."""
+    crc = sk64_crc(nbytes, _COLSUMS.pack(*(_signed64(c) for c in colsums)), rowsums)
+    return combine_sk64(crc, sum(colsums))
+
+
+def _float_acc(t: torch.Tensor) -> torch.dtype | None:
+    return _FLOAT_SUM_DTYPE.get(t.dtype, t.dtype) if t.is_floating_point() else None
+
+
+def _sk64_whole_rows(t: torch.Tensor) -> tuple[int, bool] | None:
+    """sk64 and the non-finite flag of a contiguous, 8-byte aligned, real CPU tensor of whole rows
+    (the common case), or None when the general path is needed."""
+    if not t.is_contiguous() or t.is_complex() or t.dtype == torch.bool or sys.byteorder != "little":
+        return None
+    nbytes = t.numel() * t.element_size()
+    if nbytes % _SK64_ROW_BYTES or t.data_ptr() % 8 or t.device.type != "cpu":
+        return None
+    flat = t.view(-1)
+    grid = flat.view(torch.int64).view(-1, SK64_ROW)
+    rowsums = grid.sum(1)
+    colsums = grid.sum(0)
+    acc = _float_acc(flat)
+    nonfinite = acc is not None and nbytes > 0 and not math.isfinite(float(flat.sum(dtype=acc)))
+    return _sk64_value(nbytes, list(_int64s(colsums)), host_buffer(rowsums)), nonfinite
+
+
+def _sk64_sums(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row sums, column sums) of 1-D int64 words on any device; the last row zero-padded."""
     n = words.numel()
     full = n // SK64_ROW
     grid = (words if full * SK64_ROW == n else words[: full * SK64_ROW]).view(full, SK64_ROW)
-    per_row = 0 if floats is None else floats.numel() // max(n, 1) * SK64_ROW  # floats per row
-    acc = None if floats is None else _FLOAT_SUM_DTYPE.get(floats.dtype, floats.dtype)
-    parts = []
-    for r0 in range(0, full, _SK64_CHUNK_ROWS) if full > _SK64_CHUNK_ROWS else [0]:
-        g = grid if full <= _SK64_CHUNK_ROWS else grid[r0 : r0 + _SK64_CHUNK_ROWS]
-        f = None
-        if floats is not None:
-            f = floats[r0 * per_row : (r0 + g.shape[0]) * per_row].sum(dtype=acc)
-        parts.append(_Sk64Part(g.sum(1), g.sum(0), f))
-    part = _Sk64Part.join(parts)
-    if full * SK64_ROW != n:  # a last partial row: zero-padded
+    rowsums, colsums = grid.sum(1), grid.sum(0)
+    if full * SK64_ROW != n:
         tail = words[full * SK64_ROW :]
-        part.rowsums = torch.cat([part.rowsums, tail.sum().reshape(1)])
-        part.colsums[: tail.numel()] += tail
-        if floats is not None and part.fsum is not None:
-            part.fsum = part.fsum + floats[full * per_row :].sum(dtype=acc)
-    return part
-
-
-def _sk64_words(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(int64 words, float view) of a contiguous, 8-byte aligned tensor whose size is a multiple
-    of 8 bytes (the float view only for real floating-point dtypes), or None."""
-    if not t.is_contiguous() or t.is_complex() or t.dtype == torch.bool:
-        return None
-    if (t.numel() * t.element_size()) % 8 or t.data_ptr() % 8:
-        return None
-    flat = t.detach().reshape(-1)
-    return flat.view(torch.int64), (flat if flat.is_floating_point() else None)
+        rowsums = torch.cat([rowsums, tail.sum().reshape(1)])
+        colsums[: tail.numel()] += tail
+    return rowsums, colsums
 
 
 def _sk64(t: torch.Tensor) -> tuple[int, bool]:
+    fast = _sk64_whole_rows(t)
+    if fast is not None:
+        return fast
+    # the general path (any device, layout, size): the bytes, zero-padded to whole words
     nbytes = nbytes_of(t)
-    views = _sk64_words(t)
-    if views is not None:
-        return _sk64_part(*views).value(nbytes)
-    # the general path: the bytes, zero-padded to whole words, and the float sum of the tensor
     b = _as_bytes(t)
     if nbytes % 8:
         padded = torch.zeros(nbytes + 8 - nbytes % 8, dtype=torch.uint8, device=b.device)
@@ -240,7 +228,11 @@ def _sk64(t: torch.Tensor) -> tuple[int, bool]:
         b = padded
     elif b.storage_offset() % 8:
         b = b.clone()
-    fp, _ = _sk64_part(b.view(torch.int64), None).value(nbytes)
+    rowsums, colsums = (x.cpu() for x in _sk64_sums(b.view(torch.int64)))
+    if sys.byteorder == "little":
+        fp = _sk64_value(nbytes, list(_int64s(colsums)), host_buffer(rowsums))
+    else:
+        fp = _sk64_value(nbytes, colsums.tolist(), rowsums.numpy().astype("<i8").tobytes())
     nf = _nonfinite(t)
     return fp, bool(nf) if nf is not None else False
 
@@ -250,18 +242,20 @@ def region_of(inner: torch.Tensor, outer: torch.Tensor) -> int | None:
     memory that starts and ends on sk64 row boundaries of ``outer`` (or at its end), both sk64
     tensors with a fast path: then ``fingerprint_with_region`` computes both in one pass. Else None.
 
-    FSDP2's all-gathers are in place: each rank's input is its slice of the output."""
-    if outer.device.type != "cpu" or inner.device != outer.device or inner.dtype != outer.dtype:
+    FSDP2's all-gathers are in place: each rank's input is its slice of the output. Called for
+    every all-gather, so only cheap attribute reads come before the address test."""
+    if inner.dtype != outer.dtype or outer.device.type != "cpu" or inner.device != outer.device:
         return None
     n_in, n_out = nbytes_of(inner), nbytes_of(outer)
-    if n_in < schema.SK64_MIN_BYTES or _sk64_words(inner) is None or _sk64_words(outer) is None:
+    p_in, p_out = inner.data_ptr(), outer.data_ptr()
+    off = p_in - p_out
+    if off < 0 or off + n_in > n_out or n_in < schema.SK64_MIN_BYTES:
+        return None  # not inside (bytes inside another tensor's bytes are that tensor's memory)
+    if off % _SK64_ROW_BYTES or ((off + n_in) % _SK64_ROW_BYTES and off + n_in != n_out):
         return None
-    if inner.untyped_storage().data_ptr() != outer.untyped_storage().data_ptr():
+    if p_out % 8 or n_out % 8 or n_in % 8 or outer.dtype in (torch.bool,) or outer.is_complex():
         return None
-    off = inner.data_ptr() - outer.data_ptr()
-    if off < 0 or off + n_in > n_out or off % _SK64_ROW_BYTES:
-        return None
-    if (off + n_in) % _SK64_ROW_BYTES and off + n_in != n_out:
+    if not (inner.is_contiguous() and outer.is_contiguous()):
         return None
     return off
 
@@ -270,22 +264,52 @@ def fingerprint_with_region(
     outer: torch.Tensor, off: int, n_in: int
 ) -> tuple[tuple[int, bool], tuple[int, bool]]:
     """(sk64, nonfinite) of ``outer`` and of its bytes [off, off + n_in) (see ``region_of``),
-    reading every byte once."""
-    views = _sk64_words(outer)
-    assert views is not None
-    words, floats = views
-    per_word = 0 if floats is None else floats.numel() // max(words.numel(), 1)
+    reading every byte once. The all-gather case (``outer`` is whole, equal rank slices of whole
+    rows) takes three reductions for all of them."""
+    n_out = nbytes_of(outer)
+    if n_in and n_out % n_in == 0 and off % n_in == 0 and n_in % _SK64_ROW_BYTES == 0:
+        world, rank = n_out // n_in, off // n_in
+        flat = outer.view(-1)
+        grid = flat.view(torch.int64).view(world, -1, SK64_ROW)
+        rowsums = grid.sum(2)  # (world, rows per slice), in the order of the whole tensor's rows
+        colsums = grid.sum(1).tolist()  # per slice
+        acc = _float_acc(flat)
+        flags = [False] * world
+        if acc is not None:
+            flags = [not math.isfinite(x) for x in flat.view(world, -1).sum(1, dtype=acc).tolist()]
+        rows = host_buffer(rowsums)
+        per_slice = n_in // _SK64_ROW_BYTES * 8
+        mine = (ctypes.c_char * per_slice).from_buffer(rows, rank * per_slice)
+        whole = [sum(col) for col in zip(*colsums, strict=True)]
+        return (
+            (_sk64_value(n_out, whole, rows), any(flags)),
+            (_sk64_value(n_in, colsums[rank], mine), flags[rank]),
+        )
+    # any other layout: the slices before, at and after the region, each summed on its own
+    flat = outer.view(-1)
+    words = flat.view(torch.int64)
+    floats = flat if flat.is_floating_point() else None
     w_in, w_end = off // 8, (off + n_in) // 8
 
-    def part(w0: int, w1: int) -> _Sk64Part:
-        return _sk64_part(words[w0:w1], None if floats is None else floats[w0 * per_word : w1 * per_word])
+    def part(w0: int, w1: int) -> tuple[torch.Tensor, list[int], bool]:
+        rowsums, colsums = _sk64_sums(words[w0:w1])
+        nf = False
+        if floats is not None and w1 > w0:
+            per_word = floats.numel() // words.numel()
+            f = floats[w0 * per_word : w1 * per_word]
+            nf = not math.isfinite(float(f.sum(dtype=_float_acc(f))))
+        return rowsums, list(_int64s(colsums)), nf
 
     inner = part(w_in, w_end)
-    parts = [part(0, w_in)] if w_in else []
-    parts.append(inner)
+    parts = ([part(0, w_in)] if w_in else []) + [inner]
     if w_end < words.numel():
         parts.append(part(w_end, words.numel()))
-    return _Sk64Part.join(parts).value(nbytes_of(outer)), inner.value(n_in)
+    all_rows = torch.cat([p[0] for p in parts]) if len(parts) > 1 else inner[0]
+    whole = [sum(col) for col in zip(*(p[1] for p in parts), strict=True)]
+    return (
+        (_sk64_value(n_out, whole, host_buffer(all_rows)), any(p[2] for p in parts)),
+        (_sk64_value(n_in, inner[1], host_buffer(inner[0])), inner[2]),
+    )
 
 
 def default_algo(t: torch.Tensor) -> str:
@@ -327,7 +351,7 @@ def fingerprint(t: torch.Tensor, algo: str | None = None) -> tuple[Any, Any, str
     )
     host = torch.empty(4, dtype=torch.int64, pin_memory=True)
     host.copy_(packed, non_blocking=True)
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)
     event.record()
     nbytes = nbytes_of(t)
     return (
@@ -592,7 +616,7 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[tuple[Any, Any, str]]:
     rows, row_of = _lin64_rows(tensors)
     host = torch.empty(rows.shape, dtype=torch.int64, pin_memory=True)
     host.copy_(rows, non_blocking=True)
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)
     event.record(torch.cuda.current_stream(device))
     return _pendings(tensors, row_of, host, event)
 
@@ -621,6 +645,6 @@ def host_values(t: torch.Tensor) -> Any:
         return t.detach().double().tolist()
     host = torch.empty(t.shape, dtype=torch.float64, pin_memory=True)
     host.copy_(t.detach().double(), non_blocking=True)
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)
     event.record()
     return Pending(host, event, lambda h: h.tolist())

@@ -296,7 +296,7 @@ class Recorder:
                 else:
                     copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                     copy.copy_(t.detach(), non_blocking=True)
-                    ready = torch.cuda.Event()
+                    ready = torch.cuda.Event(blocking=True)
                     ready.record()
                     w.blob(blob, copy, fp, nbytes, algo, ready)
         return [role, dtype_name(t.dtype), list(t.shape), fp, algo, nf, blob, t.device.type]
@@ -444,11 +444,19 @@ class Recorder:
         threads), rather than before. Not for functional ops, whose outputs are not known yet."""
         if call.functional or call.op in P2P_OPS:  # P2P events may be completed on another thread
             return set()
-        outs = {capture.local(o).untyped_storage().data_ptr() for o in call.outputs}
+        spans = []
+        for o in call.outputs:
+            o = capture.local(o)
+            if o.device.type != "cpu" or not o.is_contiguous():
+                return set()  # a strided output's bytes are not one range: stay on the safe side
+            spans.append((o.data_ptr(), o.data_ptr() + nbytes_of(o)))
         late = set()
         for i, t in enumerate(call.inputs):
             t = capture.local(t)
-            if i not in regions and t.device.type == "cpu" and t.untyped_storage().data_ptr() not in outs:
+            if i in regions or t.device.type != "cpu" or not t.is_contiguous():
+                continue
+            a, b = t.data_ptr(), t.data_ptr() + nbytes_of(t)
+            if all(b <= lo or a >= hi for lo, hi in spans):
                 late.add(i)
         return late
 

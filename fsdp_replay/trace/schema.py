@@ -17,9 +17,11 @@ import re
 from typing import Final
 
 # Bumped on any change a reader of the previous version would misread.
-FORMAT_VERSION: Final = 1
-# Readers accept these; anything else raises TraceVersionError.
-READABLE_VERSIONS: Final = frozenset({1})
+# 2: the sk64 fingerprint algorithm, steps.agent_cpu_ns / writer_cpu_ns (step.cpu_ns).
+FORMAT_VERSION: Final = 2
+# Readers accept these; anything else raises TraceVersionError. A version-1 trace has no
+# agent_cpu_ns/writer_cpu_ns columns in `steps` and no sk64 fingerprints; nothing else differs.
+READABLE_VERSIONS: Final = frozenset({1, 2})
 
 # ---------------------------------------------------------------------------------------------
 # Paths (relative to the output folder of `fsdp-replay record --out DIR`).
