@@ -59,6 +59,7 @@ from benchlib import (
     example_defaults,
     fmt_bytes,
     machine_info,
+    portable_command,
     quantiles,
     run_env,
 )
@@ -684,8 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     workload_model = ", ".join(f"{k}={defaults[k]}" for k in model_keys if k in defaults)
     doc: dict[str, Any] = {
         "benchmark": "record_overhead",
-        "command_line": shlex.join([sys.executable, *sys.argv]),
-        "cwd": os.getcwd(),
+        "command_line": portable_command(),
+        "cwd": "the repository root",
         "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
         "elapsed_s": time.time() - started,
         "machine": machine_info(),

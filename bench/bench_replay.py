@@ -67,6 +67,7 @@ from benchlib import (
     example_defaults,
     fmt_bytes,
     machine_info,
+    portable_command,
     quantiles,
     run_env,
 )
@@ -1188,8 +1189,8 @@ def main(argv: list[str] | None = None) -> int:
         runs_doc.append(d)
     doc: dict[str, Any] = {
         "benchmark": "replay",
-        "command_line": shlex.join([sys.executable, *sys.argv]),
-        "cwd": os.getcwd(),
+        "command_line": portable_command(),
+        "cwd": "the repository root",
         "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
         "elapsed_s": time.time() - started,
         "machine": machine_info(),

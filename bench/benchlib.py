@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,24 @@ EXAMPLE = REPO / "examples" / "train_fsdp.py"
 
 class BenchError(RuntimeError):
     pass
+
+
+def portable_command() -> str:
+    """This benchmark's command line as a reader can rerun it from the repository root: the
+    interpreter as ``python`` and paths inside the repository relative to it (results files
+    must not carry the paths of the machine that made them)."""
+
+    def rel(arg: str) -> str:
+        for prefix in ("", "--results=", "--workdir="):
+            if arg.startswith(prefix) and arg[len(prefix) :].startswith("/"):
+                path = Path(arg[len(prefix) :])
+                try:
+                    return prefix + str(path.resolve().relative_to(REPO))
+                except ValueError:
+                    return prefix + "<" + path.name + ">" if prefix else "<" + path.name + ">"
+        return arg
+
+    return shlex.join(["python", *(rel(a) for a in sys.argv)])
 
 
 def quantiles(xs: list[float]) -> tuple[float, float, float]:

@@ -45,3 +45,47 @@ def test_region_of_refuses_what_it_cannot_share() -> None:
     assert region_of(out[:100], out) is None  # small: zlib64, not sk64
     assert region_of(out.view(torch.int32)[:40_000], out) is None  # another dtype
     assert region_of(out[::2][:40_000], out) is None  # not contiguous
+
+
+def test_the_device_path_packs_the_same_values() -> None:
+    """The sketch a GPU computes (three reductions, one host buffer) gives the CPU's values; run
+    here on CPU tensors, and on CUDA by the gpu test below."""
+    from fsdp_replay.agent.fingerprint import _sk64_on_device
+
+    n = 99_200  # slices of whole 256-byte rows for 2-byte dtypes too
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.float16):
+        t = (torch.randn(4 * n) * 3).to(dtype)
+        sketch = _sk64_on_device(t, 4)
+        assert sketch is not None
+        values = sketch.values()
+        assert values[0] == fingerprint(t)[:2]
+        for r in range(4):
+            part = t[r * n : (r + 1) * n]
+            assert values[1 + r] == fingerprint(part)[:2]
+            assert values[1 + r][0] == ref.sk64(part.view(torch.uint8).numpy().tobytes())
+    assert _sk64_on_device(torch.randn(SHARD + 1)) is None  # not whole rows: the general path
+
+
+@pytest.mark.gpu
+def test_sk64_and_regions_on_cuda_equal_the_cpu_values() -> None:
+    from fsdp_replay.agent.fingerprint import Pending
+
+    def value(x: object) -> object:
+        return x.value() if isinstance(x, Pending) else x
+
+    out = torch.randn(2 * SHARD)
+    out[SHARD + 9] = float("nan")
+    dev = out.cuda()
+    for algo_t in (dev, dev[:SHARD]):
+        fp, nf, algo = fingerprint(algo_t)
+        assert algo == "sk64"
+        assert (value(fp), value(nf)) == fingerprint(algo_t.cpu(), "sk64")[:2]
+    for rank in range(2):
+        inp = dev[rank * SHARD : (rank + 1) * SHARD]
+        off = region_of(inp, dev)
+        assert off == rank * SHARD * 4
+        both = fingerprint_with_region(dev, off, SHARD * 4)
+        assert both is not None
+        (wfp, wnf), (pfp, pnf) = both
+        assert (value(wfp), value(wnf)) == fingerprint(out)[:2]
+        assert (value(pfp), value(pnf)) == fingerprint(inp.cpu())[:2]

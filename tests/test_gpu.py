@@ -28,14 +28,15 @@ def test_lin64_on_the_gpu_matches_the_numpy_reference() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
         for n in (0, 1, 3, 1023, 1024, 1025, 1_000_003):
             t = (torch.randn(n, device="cuda") * 100).to(dtype)
-            fp, nonfinite, algo = fingerprint(t)
+            fp, nonfinite, algo = fingerprint(t, schema.FP_LIN64)
             assert algo == schema.FP_LIN64
             host = t.cpu().contiguous().view(torch.uint8).numpy()
             assert fp.value() == lin64(host), (dtype, n)
             assert nonfinite.value() is False
     t = torch.ones(10, device="cuda")
     t[3] = float("nan")
-    assert fingerprint(t)[1].value() is True
+    assert fingerprint(t, schema.FP_LIN64)[1].value() is True
+    assert fingerprint(t)[2] == schema.FP_LIN64  # 40 bytes: not whole sk64 rows
 
 
 def _record(tmp: Path, name: str, args: tuple[str, ...] = ARGS) -> Path:

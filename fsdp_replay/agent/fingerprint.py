@@ -58,13 +58,14 @@ class Pending:
 
     __slots__ = ("_combine", "_event", "_host")
 
-    def __init__(self, host: torch.Tensor, event: Any, combine: Any) -> None:
+    def __init__(self, host: Any, event: Any, combine: Any) -> None:
         self._host = host
         self._event = event
         self._combine = combine
 
     def value(self) -> Any:
-        self._event.synchronize()
+        if self._event is not None:
+            self._event.synchronize()
         return self._combine(self._host)
 
 
@@ -237,6 +238,92 @@ def _sk64(t: torch.Tensor) -> tuple[int, bool]:
     return fp, bool(nf) if nf is not None else False
 
 
+class _Sketch:
+    """Column sums, row sums and float sums packed in one int64 host buffer (read once)."""
+
+    __slots__ = ("_values", "host", "nbytes", "slices")
+
+    def __init__(self, host: torch.Tensor, nbytes: int, slices: int) -> None:
+        self.host = host
+        self.nbytes = nbytes  # of each slice
+        self.slices = slices
+        self._values: list[tuple[int, bool]] | None = None
+
+    def values(self, _host: Any = None) -> list[tuple[int, bool]]:
+        """[(fp, nonfinite) of the whole tensor, then of each slice] (one slice: the whole)."""
+        if self._values is None:
+            w = self.slices
+            cols = list(_int64s(self.host))
+            k = w * SK64_ROW
+            colsums = [cols[i * SK64_ROW : (i + 1) * SK64_ROW] for i in range(w)]
+            n_rows = (len(cols) - k - w) // w
+            rows = host_buffer(self.host)
+            fbits = cols[len(cols) - w :]
+            flags = [not math.isfinite(_F64.unpack(_I64.pack(b))[0]) for b in fbits]
+            row_bytes = n_rows * 8
+            per = [
+                _sk64_value(
+                    self.nbytes,
+                    colsums[i],
+                    (ctypes.c_char * row_bytes).from_buffer(rows, (k + i * n_rows) * 8),
+                )
+                for i in range(w)
+            ]
+            out = [(p, f) for p, f in zip(per, flags, strict=True)]
+            if w > 1:
+                whole = [sum(col) for col in zip(*colsums, strict=True)]
+                all_rows = (ctypes.c_char * (w * row_bytes)).from_buffer(rows, k * 8)
+                out.insert(0, (_sk64_value(self.nbytes * w, whole, all_rows), any(flags)))
+            else:
+                out.insert(0, out[0])
+            self._values = out
+        return self._values
+
+
+_F64 = struct.Struct("<d")
+_I64 = struct.Struct("<q")
+
+
+def _sk64_on_device(t: torch.Tensor, slices: int = 1) -> _Sketch | None:
+    """sk64 of a tensor on a device (and of ``slices`` equal slices of it), computed by three
+    reductions on the tensor's stream and copied to pinned host memory behind an event: nothing
+    waits. None when the layout needs the general path (not whole rows, strided, ...)."""
+    if not t.is_contiguous() or t.is_complex() or t.dtype == torch.bool or sys.byteorder != "little":
+        return None
+    nbytes = nbytes_of(t)
+    if nbytes % (_SK64_ROW_BYTES * slices) or t.data_ptr() % 8:
+        return None
+    flat = t.view(-1)
+    grid = flat.view(torch.int64).view(slices, -1, SK64_ROW)
+    acc = _float_acc(flat)
+    if acc is not None and flat.numel():
+        fsums = flat.view(slices, -1).sum(1, dtype=acc).to(torch.float64).view(torch.int64)
+    else:
+        fsums = torch.zeros(slices, dtype=torch.int64, device=t.device)
+    packed = torch.cat([grid.sum(1).view(-1), grid.sum(2).view(-1), fsums])
+    if t.device.type == "cpu":
+        host = packed
+    else:
+        host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+    return _Sketch(host, nbytes // slices, slices)
+
+
+def _sketch_pendings(sketch: _Sketch, event: Any, index: int) -> tuple[Pending, Pending]:
+    return (
+        Pending(sketch, event, lambda s: s.values()[index][0]),
+        Pending(sketch, event, lambda s: s.values()[index][1]),
+    )
+
+
+def _device_event(t: torch.Tensor) -> Any:
+    if t.device.type == "cpu":
+        return None
+    event = torch.cuda.Event(blocking=True)
+    event.record()
+    return event
+
+
 def region_of(inner: torch.Tensor, outer: torch.Tensor) -> int | None:
     """The byte offset of ``inner`` in ``outer`` when ``inner`` is a contiguous part of ``outer``'s
     memory that starts and ends on sk64 row boundaries of ``outer`` (or at its end), both sk64
@@ -244,7 +331,7 @@ def region_of(inner: torch.Tensor, outer: torch.Tensor) -> int | None:
 
     FSDP2's all-gathers are in place: each rank's input is its slice of the output. Called for
     every all-gather, so only cheap attribute reads come before the address test."""
-    if inner.dtype != outer.dtype or outer.device.type != "cpu" or inner.device != outer.device:
+    if inner.dtype != outer.dtype or inner.device != outer.device:
         return None
     n_in, n_out = nbytes_of(inner), nbytes_of(outer)
     p_in, p_out = inner.data_ptr(), outer.data_ptr()
@@ -262,11 +349,20 @@ def region_of(inner: torch.Tensor, outer: torch.Tensor) -> int | None:
 
 def fingerprint_with_region(
     outer: torch.Tensor, off: int, n_in: int
-) -> tuple[tuple[int, bool], tuple[int, bool]]:
+) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:
     """(sk64, nonfinite) of ``outer`` and of its bytes [off, off + n_in) (see ``region_of``),
     reading every byte once. The all-gather case (``outer`` is whole, equal rank slices of whole
-    rows) takes three reductions for all of them."""
+    rows) takes three reductions for all of them. On a device the values are ``Pending``, and
+    the all-gather case is the only one (None otherwise: fingerprint them apart)."""
     n_out = nbytes_of(outer)
+    if outer.device.type != "cpu":
+        if not (n_in and n_out % n_in == 0 and off % n_in == 0):
+            return None
+        sketch = _sk64_on_device(outer, n_out // n_in)
+        if sketch is None:
+            return None
+        event = _device_event(outer)
+        return _sketch_pendings(sketch, event, 0), _sketch_pendings(sketch, event, 1 + off // n_in)
     if n_in and n_out % n_in == 0 and off % n_in == 0 and n_in % _SK64_ROW_BYTES == 0:
         world, rank = n_out // n_in, off // n_in
         flat = outer.view(-1)
@@ -314,9 +410,12 @@ def fingerprint_with_region(
 
 def default_algo(t: torch.Tensor) -> str:
     """The algorithm recording uses for a tensor: by device, and on the CPU by size."""
+    nbytes = nbytes_of(t)
     if t.device.type != "cpu":
-        return schema.FP_LIN64
-    return schema.FP_SK64 if nbytes_of(t) >= schema.SK64_MIN_BYTES else schema.FP_ZLIB64
+        # sk64 where its three-reduction path applies, lin64 (any layout) otherwise
+        whole_rows = nbytes and nbytes % _SK64_ROW_BYTES == 0 and t.is_contiguous() and not t.is_complex()
+        return schema.FP_SK64 if whole_rows and t.dtype != torch.bool else schema.FP_LIN64
+    return schema.FP_SK64 if nbytes >= schema.SK64_MIN_BYTES else schema.FP_ZLIB64
 
 
 def fingerprint(t: torch.Tensor, algo: str | None = None) -> tuple[Any, Any, str]:
@@ -326,6 +425,10 @@ def fingerprint(t: torch.Tensor, algo: str | None = None) -> tuple[Any, Any, str
     CPU trace on a GPU), synchronously."""
     algo = algo or default_algo(t)
     if algo == schema.FP_SK64:
+        if t.device.type != "cpu":
+            sketch = _sk64_on_device(t)
+            if sketch is not None:
+                return (*_sketch_pendings(sketch, _device_event(t), 0), algo)
         fp, nonfinite = _sk64(t)
         return fp, nonfinite, algo
     if t.device.type == "cpu" and algo == schema.FP_ZLIB64:

@@ -509,8 +509,13 @@ class Recorder:
             regions: dict[int, tuple[int, int]] = event.pop("_regions", {})
             known: dict[int, tuple[int, bool, str]] = {}
             for i, (j, off) in regions.items():
-                out = capture.local(call.outputs[j])
-                whole, part = fingerprint_with_region(out, off, nbytes_of(capture.local(call.inputs[i])))
+                out, inp = capture.local(call.outputs[j]), capture.local(call.inputs[i])
+                both = fingerprint_with_region(out, off, nbytes_of(inp))
+                if both is None:  # a layout the shared path does not take: apart (same bytes)
+                    fp, nf, algo = fingerprint(inp, schema.FP_SK64)
+                    event["tensors"][i][3:6] = [fp, algo, nf]
+                    continue
+                whole, part = both
                 event["tensors"][i][3:6] = [part[0], schema.FP_SK64, part[1]]
                 known[j] = (whole[0], whole[1], schema.FP_SK64)
             event["tensors"] += [
