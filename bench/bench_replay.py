@@ -844,7 +844,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines = [
         "# Replay speed and time to the first divergence: `fsdp-replay replay` / `diff` on `examples/train_fsdp.py`",
         "",
-        f"- Produced by: `{doc['command_line']}` (in `{doc['cwd']}`)",
+        f"- Produced by: `{doc['command_line']}` (in {doc['cwd']})",
         f"- Date: {doc['date']} (took {doc['elapsed_s'] / 60:.1f} min)",
         f"- Machine: {m['nproc']} CPUs ({m['cpus_usable']} usable), {m['cpu_model']}; {m['platform']}; "
         f"Python {m['python']}, torch {m['torch']}, fsdp-replay {m['fsdp_replay']}, commit {m['git_commit']}",
