@@ -83,6 +83,13 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
             con.print(f"[yellow]rank {r['rank']}: {r['payload_missing']} payloads were dropped[/yellow]")
         if r["nonfinite_steps"]:
             con.print(f"[red]rank {r['rank']}: non-finite values at steps {r['nonfinite_steps'][:10]}[/red]")
+        cost = r.get("recording_cost")
+        if cost:
+            con.print(
+                f"rank {r['rank']}: recording cost per step (median after step 0): "
+                f"{cost['agent_cpu_ms_per_step']:.2f} ms CPU in the agent's hooks, "
+                f"{cost['writer_cpu_ms_per_step']:.2f} ms in its writer thread"
+            )
         end = r["end"] or {}
         counters = end.get("counters") or {}
         if counters.get("blobs_dropped"):

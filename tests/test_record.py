@@ -19,6 +19,7 @@ from conftest import CLI, EXAMPLE, REPO, assert_same_params, child_env, record, 
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
+from fsdp_replay.trace.summary import recording_cost
 
 WORKLOADS = Path(__file__).parent / "workloads"
 SMALL = ("--steps", "6", "--layers", "2", "--d-model", "64", "--seq-len", "32")
@@ -114,6 +115,8 @@ def test_identical_payloads_are_stored_once(tmp_path: Path) -> None:
         digests[r] = [rt.payload_digest(int(p)) for p in t["payload"][outs]]
         end = rt.attrs["end"]["counters"]
         assert end["agent_cpu_ns"] > 0 and end["writer_cpu_ns"] > 0  # the agent measures its own cost
+        cost = recording_cost(rt)  # ... per step too, which inspect reports
+        assert cost is not None and cost["agent_cpu_ms_per_step"] > 0 and cost["writer_cpu_ms_per_step"] >= 0
         # FSDP2 re-gathers the same parameters in backward: the agent writes those bytes once.
         assert end["blobs_deduplicated"] > 0
         assert len(set(digests[r])) < len(digests[r])

@@ -41,6 +41,20 @@ from fsdp_replay.trace.spool import SpoolWriter, rank_dir
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60.0
 # All-gathers whose input may be a slice of their output (in place), left unchanged by the op.
+# Ops whose gloo implementation only reads its inputs (ProcessGroupGloo: the reduce-scatters clone
+# them before the in-place reduction; the all-gathers copy or send them), so that an input which
+# shares no memory with an output keeps its bytes while the op runs. Not P2P (their events may be
+# completed on another thread) nor functional ops (outputs unknown until they return).
+LATE_OPS = frozenset(
+    {
+        "_reduce_scatter_base_",
+        "reduce_scatter_tensor_coalesced_",
+        "_allgather_base_",
+        "allgather_",
+        "allgather_coalesced_",
+        "allgather_into_tensor_coalesced_",
+    }
+)
 REGION_OPS = frozenset(
     {"_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_", "allgather_coalesced_"}
 )
@@ -439,10 +453,10 @@ class Recorder:
 
     @staticmethod
     def _late_inputs(call: CollectiveCall, regions: dict[int, tuple[int, int]]) -> set[int]:
-        """CPU inputs that share no memory with any output: the collective only reads them, so
-        they are fingerprinted right after it is issued, while it runs (gloo works on its own
-        threads), rather than before. Not for functional ops, whose outputs are not known yet."""
-        if call.functional or call.op in P2P_OPS:  # P2P events may be completed on another thread
+        """CPU inputs that share no memory with any output, of ops that only read their inputs:
+        fingerprinted right after the op is issued, while it runs (gloo works on its own
+        threads), rather than before."""
+        if call.op not in LATE_OPS:
             return set()
         spans = []
         for o in call.outputs:

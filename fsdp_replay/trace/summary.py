@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_replay.errors import TraceFormatError
 from fsdp_replay.trace.reader import RankTrace, Trace
 
 
@@ -72,6 +73,7 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
         "damage": r.attrs.get("damage", []),
         "payload_missing": r.attrs.get("payload_missing", 0),
         "attempts": r.attrs.get("attempts", 0),
+        "recording_cost": recording_cost(r),
         "environment": {
             "argv": meta.get("argv"),
             "cwd": meta.get("cwd"),
@@ -82,6 +84,25 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
             "policy": meta.get("policy"),
             "env": meta.get("env"),
         },
+    }
+
+
+def recording_cost(r: RankTrace) -> dict[str, float] | None:
+    """What recording cost this rank per step, from the cumulative ``steps.agent_cpu_ns`` and
+    ``writer_cpu_ns``: the median increment after step 0 (which carries start-up and the step-0
+    snapshot), in ms. None for traces without those columns or with fewer than 3 steps."""
+    st = r.steps
+    if len(st) < 3:
+        return None
+    try:
+        hooks, writer = st["agent_cpu_ns"], st["writer_cpu_ns"]
+    except TraceFormatError:  # a version-1 trace
+        return None
+    if hooks.min() < 0 or writer.min() < 0:
+        return None
+    return {
+        "agent_cpu_ms_per_step": float(np.median(np.diff(hooks))) / 1e6,
+        "writer_cpu_ms_per_step": float(np.median(np.diff(writer))) / 1e6,
     }
 
 
