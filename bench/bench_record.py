@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import itertools
 import json
 import os
 import re
@@ -269,28 +268,18 @@ def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[dict[str, Any],
 
 def agent_cpu_ms_per_step(run_dir: Path, warmup: int) -> tuple[float, float] | None:
     """The agent's own account of its CPU cost in the steady state: (hooks, writer thread) ms per
-    step, from the trace's cumulative ``steps.agent_cpu_ns`` / ``writer_cpu_ns``: per rank the
-    median increment over the steps after the warm-up, then the mean over ranks."""
-    from fsdp_replay.errors import TraceFormatError
+    step, the trace's ``recording_cost`` per rank after the warm-up steps, mean over ranks."""
     from fsdp_replay.trace.reader import Trace
+    from fsdp_replay.trace.summary import recording_cost
 
     trace = Trace.open(str(run_dir / "trace.zarr"))
-    per_rank: list[tuple[float, float]] = []
-    for rank in trace.ranks:
-        st = trace.rank(rank).steps
-        cols = []
-        for key in ("agent_cpu_ns", "writer_cpu_ns"):
-            try:
-                cum = [int(v) for v in st[key][warmup:]]
-            except TraceFormatError:  # a trace from before these columns
-                return None
-            if len(cum) < 2 or min(cum) < 0:
-                return None
-            cols.append(statistics.median(b - a for a, b in itertools.pairwise(cum)) / 1e6)
-        per_rank.append((cols[0], cols[1]))
-    if not per_rank:
+    costs = [recording_cost(trace.rank(rank), warmup) for rank in trace.ranks]
+    if not costs or any(c is None for c in costs):
         return None
-    return statistics.fmean(h for h, _ in per_rank), statistics.fmean(w for _, w in per_rank)
+    return (
+        statistics.fmean(c["agent_cpu_ms_per_step"] for c in costs if c),
+        statistics.fmean(c["writer_cpu_ms_per_step"] for c in costs if c),
+    )
 
 
 def run_one(

@@ -50,7 +50,11 @@ def test_region_of_refuses_what_it_cannot_share() -> None:
 def test_the_device_path_packs_the_same_values() -> None:
     """The sketch a GPU computes (three reductions, one host buffer) gives the CPU's values; run
     here on CPU tensors, and on CUDA by the gpu test below."""
-    from fsdp_replay.agent.fingerprint import _sk64_on_device
+    from fsdp_replay.agent.fingerprint import _DeviceSketch, _sketch_sums, nbytes_of
+
+    def _sk64_on_device(t: torch.Tensor, slices: int = 1) -> _DeviceSketch | None:
+        sums = _sketch_sums(t, slices)
+        return None if sums is None else _DeviceSketch(*sums, nbytes_of(t))
 
     n = 99_200  # slices of whole 256-byte rows for 2-byte dtypes too
     for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.float16):

@@ -187,20 +187,10 @@ def _float_acc(t: torch.Tensor) -> torch.dtype | None:
 
 
 def _sk64_whole_rows(t: torch.Tensor) -> tuple[int, bool] | None:
-    """sk64 and the non-finite flag of a contiguous, 8-byte aligned, real CPU tensor of whole rows
-    (the common case), or None when the general path is needed."""
-    if not t.is_contiguous() or t.is_complex() or t.dtype == torch.bool or sys.byteorder != "little":
-        return None
-    nbytes = t.numel() * t.element_size()
-    if nbytes % _SK64_ROW_BYTES or t.data_ptr() % 8 or t.device.type != "cpu":
-        return None
-    flat = t.view(-1)
-    grid = flat.view(torch.int64).view(-1, SK64_ROW)
-    rowsums = grid.sum(1)
-    colsums = grid.sum(0)
-    acc = _float_acc(flat)
-    nonfinite = acc is not None and nbytes > 0 and not math.isfinite(float(flat.sum(dtype=acc)))
-    return _sk64_value(nbytes, list(_int64s(colsums)), host_buffer(rowsums)), nonfinite
+    """sk64 and the non-finite flag of a CPU tensor of whole rows (the common case), or None
+    when the general path is needed."""
+    sums = _sketch_sums(t, 1) if t.device.type == "cpu" else None
+    return None if sums is None else _Sketch(*sums, nbytes_of(t)).values()[0]
 
 
 def _sk64_sums(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,78 +228,106 @@ def _sk64(t: torch.Tensor) -> tuple[int, bool]:
     return fp, bool(nf) if nf is not None else False
 
 
-class _Sketch:
-    """Column sums, row sums and float sums packed in one int64 host buffer (read once)."""
-
-    __slots__ = ("_values", "host", "nbytes", "slices")
-
-    def __init__(self, host: torch.Tensor, nbytes: int, slices: int) -> None:
-        self.host = host
-        self.nbytes = nbytes  # of each slice
-        self.slices = slices
-        self._values: list[tuple[int, bool]] | None = None
-
-    def values(self, _host: Any = None) -> list[tuple[int, bool]]:
-        """[(fp, nonfinite) of the whole tensor, then of each slice] (one slice: the whole)."""
-        if self._values is None:
-            w = self.slices
-            cols = list(_int64s(self.host))
-            k = w * SK64_ROW
-            colsums = [cols[i * SK64_ROW : (i + 1) * SK64_ROW] for i in range(w)]
-            n_rows = (len(cols) - k - w) // w
-            rows = host_buffer(self.host)
-            fbits = cols[len(cols) - w :]
-            flags = [not math.isfinite(_F64.unpack(_I64.pack(b))[0]) for b in fbits]
-            row_bytes = n_rows * 8
-            per = [
-                _sk64_value(
-                    self.nbytes,
-                    colsums[i],
-                    (ctypes.c_char * row_bytes).from_buffer(rows, (k + i * n_rows) * 8),
-                )
-                for i in range(w)
-            ]
-            out = [(p, f) for p, f in zip(per, flags, strict=True)]
-            if w > 1:
-                whole = [sum(col) for col in zip(*colsums, strict=True)]
-                all_rows = (ctypes.c_char * (w * row_bytes)).from_buffer(rows, k * 8)
-                out.insert(0, (_sk64_value(self.nbytes * w, whole, all_rows), any(flags)))
-            else:
-                out.insert(0, out[0])
-            self._values = out
-        return self._values
-
-
-_F64 = struct.Struct("<d")
-_I64 = struct.Struct("<q")
-
-
-def _sk64_on_device(t: torch.Tensor, slices: int = 1) -> _Sketch | None:
-    """sk64 of a tensor on a device (and of ``slices`` equal slices of it), computed by three
-    reductions on the tensor's stream and copied to pinned host memory behind an event: nothing
-    waits. None when the layout needs the general path (not whole rows, strided, ...)."""
+def _sketch_sums(
+    t: torch.Tensor, slices: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(column sums (slices, 32), row sums (slices, rows), float sums (slices,) or None) of a
+    contiguous, 8-byte aligned real tensor cut into ``slices`` equal slices of whole rows, on its
+    device: three reductions. None when the layout needs the general path."""
     if not t.is_contiguous() or t.is_complex() or t.dtype == torch.bool or sys.byteorder != "little":
         return None
-    nbytes = nbytes_of(t)
-    if nbytes % (_SK64_ROW_BYTES * slices) or t.data_ptr() % 8:
+    if nbytes_of(t) % (_SK64_ROW_BYTES * slices) or t.data_ptr() % 8:
         return None
     flat = t.view(-1)
     grid = flat.view(torch.int64).view(slices, -1, SK64_ROW)
     acc = _float_acc(flat)
-    if acc is not None and flat.numel():
-        fsums = flat.view(slices, -1).sum(1, dtype=acc).to(torch.float64).view(torch.int64)
-    else:
-        fsums = torch.zeros(slices, dtype=torch.int64, device=t.device)
-    packed = torch.cat([grid.sum(1).view(-1), grid.sum(2).view(-1), fsums])
+    fsums = flat.view(slices, -1).sum(1, dtype=acc) if acc is not None and flat.numel() else None
+    return grid.sum(1), grid.sum(2), fsums
+
+
+class _Sketch:
+    """sk64 of a tensor and of its equal slices, from ``_sketch_sums`` on the host (computed once)."""
+
+    __slots__ = ("_values", "colsums", "fsums", "nbytes", "rowsums")
+
+    def __init__(
+        self, colsums: torch.Tensor, rowsums: torch.Tensor, fsums: torch.Tensor | None, nbytes: int
+    ) -> None:
+        self.colsums = colsums
+        self.rowsums = rowsums
+        self.fsums = fsums
+        self.nbytes = nbytes  # of the whole tensor
+        self._values: list[tuple[int, bool]] | None = None
+
+    def values(self) -> list[tuple[int, bool]]:
+        """[(fp, nonfinite) of the whole tensor, then of each slice]."""
+        if self._values is None:
+            colsums = self.colsums.tolist()
+            slices = len(colsums)
+            flags = [False] * slices
+            if self.fsums is not None:
+                flags = [not math.isfinite(x) for x in self.fsums.tolist()]
+            rows = memoryview(host_buffer(self.rowsums)).cast("B")
+            row_bytes = self.rowsums.shape[1] * 8
+            out = [
+                (
+                    _sk64_value(self.nbytes // slices, colsums[i], rows[i * row_bytes : (i + 1) * row_bytes]),
+                    flags[i],
+                )
+                for i in range(slices)
+            ]
+            if slices == 1:
+                whole = out[0]
+            else:
+                cols = [sum(col) for col in zip(*colsums, strict=True)]
+                whole = (_sk64_value(self.nbytes, cols, rows), any(flags))
+            self._values = [whole, *out]
+        return self._values
+
+
+def _sketch(t: torch.Tensor, slices: int = 1) -> Any:
+    """The ``_Sketch`` of a tensor: at once on the CPU; on a device, a holder whose ``get()``
+    unpacks one pinned host copy of the sums (made behind ``_device_event``, so nothing waits
+    now). None when the layout needs the general path."""
+    sums = _sketch_sums(t, slices)
+    if sums is None:
+        return None
     if t.device.type == "cpu":
-        host = packed
-    else:
-        host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-    return _Sketch(host, nbytes // slices, slices)
+        return _Sketch(*sums, nbytes_of(t))
+    return _DeviceSketch(*sums, nbytes_of(t))
 
 
-def _sketch_pendings(sketch: _Sketch, event: Any, index: int) -> tuple[Pending, Pending]:
+class _DeviceSketch:
+    """A device sketch's sums copied into one pinned int64 buffer; unpacked by the writer thread."""
+
+    __slots__ = ("host", "nbytes", "rows", "sketch", "slices", "with_floats")
+
+    def __init__(
+        self, colsums: torch.Tensor, rowsums: torch.Tensor, fsums: torch.Tensor | None, nbytes: int
+    ) -> None:
+        self.slices, self.rows = rowsums.shape
+        self.with_floats = fsums is not None
+        parts = [colsums.view(-1), rowsums.view(-1)]
+        if fsums is not None:
+            parts.append(fsums.to(torch.float64).view(torch.int64))
+        packed = torch.cat(parts)
+        self.host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=packed.is_cuda)
+        self.host.copy_(packed, non_blocking=True)
+        self.nbytes = nbytes
+        self.sketch: _Sketch | None = None
+
+    def values(self) -> list[tuple[int, bool]]:
+        if self.sketch is None:
+            k, n = self.slices * SK64_ROW, self.slices * self.rows
+            h = self.host
+            fsums = h[k + n :].view(torch.float64) if self.with_floats else None
+            self.sketch = _Sketch(
+                h[:k].view(self.slices, SK64_ROW), h[k : k + n].view(self.slices, -1), fsums, self.nbytes
+            )
+        return self.sketch.values()
+
+
+def _sketch_pendings(sketch: _Sketch | _DeviceSketch, event: Any, index: int) -> tuple[Pending, Pending]:
     return (
         Pending(sketch, event, lambda s: s.values()[index][0]),
         Pending(sketch, event, lambda s: s.values()[index][1]),
@@ -355,32 +373,17 @@ def fingerprint_with_region(
     rows) takes three reductions for all of them. On a device the values are ``Pending``, and
     the all-gather case is the only one (None otherwise: fingerprint them apart)."""
     n_out = nbytes_of(outer)
+    if n_in and n_out % n_in == 0 and off % n_in == 0:
+        sketch = _sketch(outer, n_out // n_in)
+        if sketch is not None:
+            mine = 1 + off // n_in
+            if outer.device.type == "cpu":
+                values = sketch.values()
+                return values[0], values[mine]
+            event = _device_event(outer)
+            return _sketch_pendings(sketch, event, 0), _sketch_pendings(sketch, event, mine)
     if outer.device.type != "cpu":
-        if not (n_in and n_out % n_in == 0 and off % n_in == 0):
-            return None
-        sketch = _sk64_on_device(outer, n_out // n_in)
-        if sketch is None:
-            return None
-        event = _device_event(outer)
-        return _sketch_pendings(sketch, event, 0), _sketch_pendings(sketch, event, 1 + off // n_in)
-    if n_in and n_out % n_in == 0 and off % n_in == 0 and n_in % _SK64_ROW_BYTES == 0:
-        world, rank = n_out // n_in, off // n_in
-        flat = outer.view(-1)
-        grid = flat.view(torch.int64).view(world, -1, SK64_ROW)
-        rowsums = grid.sum(2)  # (world, rows per slice), in the order of the whole tensor's rows
-        colsums = grid.sum(1).tolist()  # per slice
-        acc = _float_acc(flat)
-        flags = [False] * world
-        if acc is not None:
-            flags = [not math.isfinite(x) for x in flat.view(world, -1).sum(1, dtype=acc).tolist()]
-        rows = host_buffer(rowsums)
-        per_slice = n_in // _SK64_ROW_BYTES * 8
-        mine = (ctypes.c_char * per_slice).from_buffer(rows, rank * per_slice)
-        whole = [sum(col) for col in zip(*colsums, strict=True)]
-        return (
-            (_sk64_value(n_out, whole, rows), any(flags)),
-            (_sk64_value(n_in, colsums[rank], mine), flags[rank]),
-        )
+        return None
     # any other layout: the slices before, at and after the region, each summed on its own
     flat = outer.view(-1)
     words = flat.view(torch.int64)
@@ -426,7 +429,7 @@ def fingerprint(t: torch.Tensor, algo: str | None = None) -> tuple[Any, Any, str
     algo = algo or default_algo(t)
     if algo == schema.FP_SK64:
         if t.device.type != "cpu":
-            sketch = _sk64_on_device(t)
+            sketch = _sketch(t)
             if sketch is not None:
                 return (*_sketch_pendings(sketch, _device_event(t), 0), algo)
         fp, nonfinite = _sk64(t)

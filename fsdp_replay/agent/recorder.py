@@ -40,7 +40,6 @@ from fsdp_replay.trace.spool import SpoolWriter, rank_dir
 
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60.0
-# All-gathers whose input may be a slice of their output (in place), left unchanged by the op.
 # Ops whose gloo implementation only reads its inputs (ProcessGroupGloo: the reduce-scatters clone
 # them before the in-place reduction; the all-gathers copy or send them), so that an input which
 # shares no memory with an output keeps its bytes while the op runs. Not P2P (their events may be
@@ -55,6 +54,7 @@ LATE_OPS = frozenset(
         "allgather_into_tensor_coalesced_",
     }
 )
+# All-gathers whose input may be a slice of their output (in place), left unchanged by the op.
 REGION_OPS = frozenset(
     {"_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_", "allgather_coalesced_"}
 )
@@ -313,6 +313,11 @@ class Recorder:
                     ready = torch.cuda.Event(blocking=True)
                     ready.record()
                     w.blob(blob, copy, fp, nbytes, algo, ready)
+        return self._record(role, t, fp, algo, nf, blob)
+
+    @staticmethod
+    def _record(role: str, t: torch.Tensor, fp: Any, algo: str, nf: Any, blob: Any) -> list[Any]:
+        """A tensor as events store it (``schema.TENSOR_FIELDS``)."""
         return [role, dtype_name(t.dtype), list(t.shape), fp, algo, nf, blob, t.device.type]
 
     # -- collectives --------------------------------------------------------------------------
@@ -474,19 +479,10 @@ class Recorder:
                 late.add(i)
         return late
 
-    @staticmethod
-    def _placeholder(t: torch.Tensor) -> list[Any]:
-        t = capture.local(t)
-        return [
-            "i",
-            dtype_name(t.dtype),
-            list(t.shape),
-            None,
-            schema.FP_SK64,
-            None,
-            schema.NO_BLOB,
-            t.device.type,
-        ]
+    @classmethod
+    def _placeholder(cls, t: torch.Tensor) -> list[Any]:
+        """An input whose fingerprint is filled in later (after issue, or with its output)."""
+        return cls._record("i", capture.local(t), None, schema.FP_SK64, None, schema.NO_BLOB)
 
     def _deferrable(self, call: CollectiveCall) -> bool:
         return (

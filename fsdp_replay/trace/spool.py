@@ -151,38 +151,19 @@ class SpoolWriter:
 
     def append(self, kind: int, obj: Any, raw: bytes | memoryview | None = None) -> int:
         """Append one record; returns its size. Raises OSError (and leaves no partial record)."""
-        pieces = encode_record(kind, obj, raw)
-        size = sum(memoryview(p).nbytes for p in pieces)
-        if self._fd < 0:  # a roll-over failed earlier (full disk): try the next segment again
-            self._index += 1
-            self._open_segment()
-        elif self._offset + size > self.max_segment_bytes and self.records_written:
-            self.roll()
-        start = self._offset
-        try:
-            _write_all(self._fd, pieces)
-        except OSError:
-            try:
-                os.ftruncate(self._fd, start)
-                os.lseek(self._fd, start, os.SEEK_SET)
-            except OSError:
-                pass
-            raise
-        self._offset += size
-        self.bytes_written += size
-        self.records_written += 1
-        return size
+        return self._append_pieces(encode_record(kind, obj, raw), 1)
 
     def append_many(self, records: list[tuple[int, bytes]]) -> int:
         """Append several JSON records (``(kind, json bytes)``) with as few ``writev`` calls as
         possible; all or none are written (OSError leaves the segment as it was). Returns bytes."""
-        if len(records) == 1:
-            return self.append(*records[0])
         pieces: list[bytes | memoryview] = []
         for kind, data in records:
             pieces += encode_record(kind, data)
+        return self._append_pieces(pieces, len(records))
+
+    def _append_pieces(self, pieces: list[bytes | memoryview], records: int) -> int:
         size = sum(memoryview(p).nbytes for p in pieces)
-        if self._fd < 0:
+        if self._fd < 0:  # a roll-over failed earlier (full disk): try the next segment again
             self._index += 1
             self._open_segment()
         elif self._offset + size > self.max_segment_bytes and self.records_written:
@@ -200,7 +181,7 @@ class SpoolWriter:
             raise
         self._offset += size
         self.bytes_written += size
-        self.records_written += len(records)
+        self.records_written += records
         return size
 
     def roll(self) -> None:

@@ -87,15 +87,15 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
     }
 
 
-def recording_cost(r: RankTrace) -> dict[str, float] | None:
+def recording_cost(r: RankTrace, skip_steps: int = 0) -> dict[str, float] | None:
     """What recording cost this rank per step, from the cumulative ``steps.agent_cpu_ns`` and
-    ``writer_cpu_ns``: the median increment after step 0 (which carries start-up and the step-0
-    snapshot), in ms. None for traces without those columns or with fewer than 3 steps."""
+    ``writer_cpu_ns``: the median increment after step ``skip_steps`` (step 0 carries start-up
+    and the step-0 snapshot), in ms. None for traces without those columns or with too few steps."""
     st = r.steps
-    if len(st) < 3:
+    if len(st) - skip_steps < max(2, 3 - skip_steps):
         return None
     try:
-        hooks, writer = st["agent_cpu_ns"], st["writer_cpu_ns"]
+        hooks, writer = st["agent_cpu_ns"][skip_steps:], st["writer_cpu_ns"][skip_steps:]
     except TraceFormatError:  # a version-1 trace
         return None
     if hooks.min() < 0 or writer.min() < 0:
