@@ -138,3 +138,41 @@ def assert_same_params(a: Path, b: Path, nproc: int) -> None:
         assert pa.keys() == pb.keys()
         for k in pa:
             assert torch.equal(pa[k], pb[k]), f"rank {r} parameter {k} differs"
+
+
+def _use_fp_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from fsdp_replay.agent import native
+
+    if impl == "torch":
+        monkeypatch.setenv(native.ENV_DISABLE, "0")
+    else:
+        monkeypatch.delenv(native.ENV_DISABLE, raising=False)
+    native.reload()
+    if impl == "native" and not native.available():
+        pytest.fail(
+            "the native fingerprint core is not built: `pip install -e .` builds it (needs a C compiler)"
+        )
+    yield impl
+    monkeypatch.undo()
+    native.reload()
+
+
+@pytest.fixture(params=["native", "torch"])
+def fp_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Runs a test with the agent's native fingerprint core and again with its torch path.
+
+    The native core is built by ``pip install -e .`` (``make test`` does it); a missing build
+    fails rather than skips, so that CI always exercises it."""
+    yield from _use_fp_impl(request.param, monkeypatch)
+
+
+@pytest.fixture
+def native_core(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The native fingerprint core, enabled (fails where it is not built, see ``fp_impl``)."""
+    yield from _use_fp_impl("native", monkeypatch)
+
+
+@pytest.fixture
+def torch_fp(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The agent's torch fingerprint path (the native core disabled)."""
+    yield from _use_fp_impl("torch", monkeypatch)

@@ -14,7 +14,7 @@ SHARD = 99_136  # float32 elements of one rank's shard in the example (not a mul
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 @pytest.mark.parametrize("tail", [0, 6])
-def test_every_rank_region_gives_the_plain_fingerprints(world: int, tail: int) -> None:
+def test_every_rank_region_gives_the_plain_fingerprints(world: int, tail: int, fp_impl: str) -> None:
     out = torch.randn(world * SHARD + tail)
     if tail:
         out[-1] = float("nan")
@@ -30,14 +30,14 @@ def test_every_rank_region_gives_the_plain_fingerprints(world: int, tail: int) -
         assert part[0] == ref.sk64(raw)
 
 
-def test_a_nan_in_another_rank_region_flags_only_the_output() -> None:
+def test_a_nan_in_another_rank_region_flags_only_the_output(fp_impl: str) -> None:
     out = torch.randn(2 * SHARD)
     out[SHARD + 5] = float("nan")
     whole, part = fingerprint_with_region(out, 0, SHARD * 4)
     assert whole[1] and not part[1]
 
 
-def test_region_of_refuses_what_it_cannot_share() -> None:
+def test_region_of_refuses_what_it_cannot_share(torch_fp: str) -> None:
     out = torch.randn(4 * 40_000)
     assert region_of(out[100:40_100], out) is None  # not on a row boundary
     assert region_of(out[:40_001], out) is None  # ends inside a row, not at the end

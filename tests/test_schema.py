@@ -418,7 +418,7 @@ def _agree(t: torch.Tensor, algo: str) -> None:
 
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_torch_and_numpy_fingerprints_agree(dtype: torch.dtype, algo: str) -> None:
+def test_torch_and_numpy_fingerprints_agree(dtype: torch.dtype, algo: str, fp_impl: str) -> None:
     for n in SIZES:
         _agree(random_tensor((n,), dtype, seed=n), algo)
 
@@ -433,7 +433,7 @@ def test_fingerprints_agree_on_non_contiguous_inputs(algo: str) -> None:
 
 
 @pytest.mark.parametrize("algo", ALGOS)
-def test_fingerprints_agree_on_offset_views(algo: str) -> None:
+def test_fingerprints_agree_on_offset_views(algo: str, fp_impl: str) -> None:
     """Contiguous views that start inside their storage (at least one whole word long)."""
     base = random_tensor((5000,), torch.uint8, seed=3)
     for start in range(8):
@@ -477,14 +477,39 @@ def test_sk64_sees_sign_swaps_that_cancel_in_every_sum() -> None:
         assert ref.sk64(raw_bytes(t)) != ref.sk64(raw_bytes(u)), d
 
 
-def test_recording_picks_sk64_for_large_cpu_tensors() -> None:
+def test_recording_picks_sk64_for_cpu_tensors(fp_impl: str) -> None:
+    """With the native core every CPU tensor gets sk64; the torch path keeps zlib64 below 64 KiB
+    (its per-call cost would dominate there)."""
     small = torch.zeros(schema.SK64_MIN_BYTES // 4 - 1)
     large = torch.zeros(schema.SK64_MIN_BYTES // 4)
-    assert torch_fingerprint(small)[2] == "zlib64"
+    assert torch_fingerprint(small)[2] == ("sk64" if fp_impl == "native" else "zlib64")
     assert torch_fingerprint(large)[2] == "sk64"
 
 
-def test_nonfinite_flag_is_the_float_sum() -> None:
+def test_native_nonfinite_flag_is_per_element(native_core: str) -> None:
+    """The native core flags a NaN or infinite element, in every float dtype and position (also in
+    the zero-padded last row and in complex numbers); finite values whose sum overflows are not."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        for n in (1, 63, 64, 65, 1000):
+            t = torch.ones(n, dtype=dtype)
+            assert not torch_fingerprint(t)[1]
+            for i in {0, n // 2, n - 1}:
+                for bad in (float("nan"), float("inf"), float("-inf")):
+                    u = t.clone()
+                    u[i] = bad
+                    assert torch_fingerprint(u)[1], (dtype, n, i, bad)
+    big = torch.finfo(torch.float32).max
+    assert not torch_fingerprint(torch.tensor([big, big], dtype=torch.float32))[1]
+    assert torch_fingerprint(torch.tensor([1 + 0j, complex(0, float("nan"))], dtype=torch.complex64))[1]
+    assert not torch_fingerprint(torch.tensor([1 + 0j, 2j], dtype=torch.complex128))[1]
+    assert not torch_fingerprint(torch.tensor([2**62, -1], dtype=torch.int64))[1]
+    # float8 has no native rule: the torch path computes the same fingerprint
+    if hasattr(torch, "float8_e5m2"):
+        t = torch.ones(300).to(torch.float8_e5m2)
+        assert torch_fingerprint(t)[0] == ref.fingerprint(torch_fingerprint(t)[2], raw_bytes(t))
+
+
+def test_nonfinite_flag_is_the_float_sum(torch_fp: str) -> None:
     def nonfinite(t: torch.Tensor) -> bool:
         flags = {torch_fingerprint(t, algo)[1] for algo in ALGOS}
         assert len(flags) == 1
@@ -504,7 +529,7 @@ def test_nonfinite_flag_is_the_float_sum() -> None:
     assert not nonfinite(torch.empty(0))
 
 
-def test_every_single_bit_flip_changes_both_fingerprints() -> None:
+def test_every_single_bit_flip_changes_both_fingerprints(fp_impl: str) -> None:
     data = bytearray(random_tensor((64,), torch.uint8, seed=11).numpy().tobytes())
     base = {algo: ref.fingerprint(algo, bytes(data)) for algo in ALGOS}
     for algo in ALGOS:
@@ -520,7 +545,7 @@ def test_every_single_bit_flip_changes_both_fingerprints() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.int64], ids=str)
-def test_a_swap_of_two_unequal_elements_changes_both_fingerprints(dtype: torch.dtype) -> None:
+def test_a_swap_of_two_unequal_elements_changes_both_fingerprints(dtype: torch.dtype, fp_impl: str) -> None:
     t = random_tensor((5000,), dtype, seed=5)
     before = {algo: torch_fingerprint(t, algo)[0] for algo in ALGOS}
     # neighbours, same word, same lin64 column one row apart, far apart, first/last

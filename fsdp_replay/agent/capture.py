@@ -209,11 +209,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The part of a (possibly DTensor) tensor this rank holds (its data, outside autograd)."""
-    if type(t) is torch.Tensor or (isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor):
+    if type(t) is torch.Tensor:
         return t
     inner = getattr(t, "_local_tensor", None)  # DTensor: what to_local() returns, without autograd
     if isinstance(inner, torch.Tensor):
         return inner
+    if isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor:
+        return t
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 

@@ -1,16 +1,18 @@
 """Tensor fingerprints computed where the data is.
 
-- CPU tensors of at least 64 KiB: ``sk64`` = the row sums and column sums of the bytes read as
-  int64 words in rows of 64 (vectorized reductions over L2-sized chunks), reduced to 64 bits by a
-  crc32 of those sums and their total.
-- Smaller CPU tensors: ``zlib64`` = crc32 of the bytes combined with the wrapping sum of the bytes
-  read as int64 words (fewer calls than sk64: at these sizes the fixed cost per call dominates).
-- CUDA tensors: ``lin64`` = three wrapping int64 sums of the int32 words (plain, weighted by
-  column and by row of a 1024-wide layout), computed by reductions on the tensor's own stream and
-  mixed to 64 bits on the host. Nothing is synchronised: the three sums are copied to pinned host
-  memory behind a CUDA event, and the agent's writer thread reads them later (``Pending``).
+- CPU tensors: ``sk64`` = the row sums and column sums of the bytes read as int64 words in rows
+  of 32 (256 bytes), reduced to 64 bits by a crc32 of those sums and their total. The native
+  core (``native.py``, ``_fpcore.c``) computes it in one pass for every contiguous CPU tensor,
+  and the parameters of a step in one call. Without it, torch computes the same value with three
+  reductions, and tensors under 64 KiB get ``zlib64`` instead (crc32 of the bytes combined with
+  their wrapping int64 sum: fewer calls, which is what costs at those sizes).
+- CUDA tensors: ``sk64`` where the bytes are whole rows (three reductions on the tensor's own
+  stream), else ``lin64`` = three wrapping int64 sums of the int32 words (plain, weighted by
+  column and by row of a 1024-wide layout); the parameters of a step take batched lin64. Nothing
+  is synchronised: the sums are copied to pinned host memory behind a CUDA event, and the
+  agent's writer thread reads them later (``Pending``).
 
-Both change for every single-bit change and for a swap of two unequal elements (a plain sum
+All change for every single-bit change and for a swap of two unequal elements (a plain sum
 misses swaps; ``torch.hash_tensor`` is an xor-reduce and misses them too). The numpy reference
 in ``fsdp_replay.trace.fingerprint`` computes the same values from raw bytes.
 """
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from fsdp_replay.agent import native
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.fingerprint import (
     LIN64_ROW,
@@ -38,7 +41,23 @@ from fsdp_replay.trace.fingerprint import (
     sk64_crc,
 )
 
-_FLOAT_SUM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+# float8 formats have no sum kernel: their non-finite flag sums them converted to float32
+_FLOAT8 = frozenset(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n)
+)
+_FLOAT_SUM_DTYPE = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    **dict.fromkeys(_FLOAT8, torch.float32),
+}
+
+
+def _float_sum(x: torch.Tensor, *dim: int) -> torch.Tensor:
+    """The float sum behind the torch path's non-finite flag (half types summed in float32)."""
+    acc = _FLOAT_SUM_DTYPE.get(x.dtype, x.dtype)
+    return (x.to(acc) if x.dtype in _FLOAT8 else x).sum(*dim, dtype=acc)
 
 
 def host_buffer(t: torch.Tensor) -> Any:
@@ -81,7 +100,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def _nonfinite(t: torch.Tensor) -> torch.Tensor | None:
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return None
-    return ~torch.isfinite(t.detach().sum(dtype=_FLOAT_SUM_DTYPE.get(t.dtype, t.dtype)))
+    return ~torch.isfinite(_float_sum(t.detach()))
 
 
 def zlib64_cpu(t: torch.Tensor) -> int:
@@ -152,7 +171,7 @@ def _zlib64_fast(t: torch.Tensor) -> tuple[int, bool] | None:
     crc = zlib.crc32((ctypes.c_char * nbytes).from_address(flat.data_ptr()))
     nonfinite = False
     if flat.is_floating_point():
-        nonfinite = not math.isfinite(float(flat.sum(dtype=_FLOAT_SUM_DTYPE.get(flat.dtype, flat.dtype))))
+        nonfinite = not math.isfinite(float(_float_sum(flat)))
     return combine_zlib64(crc, total), nonfinite
 
 
@@ -182,10 +201,6 @@ def _sk64_value(nbytes: int, colsums: list[int], rowsums: Any) -> int:
     return combine_sk64(crc, sum(colsums))
 
 
-def _float_acc(t: torch.Tensor) -> torch.dtype | None:
-    return _FLOAT_SUM_DTYPE.get(t.dtype, t.dtype) if t.is_floating_point() else None
-
-
 def _sk64_whole_rows(t: torch.Tensor) -> tuple[int, bool] | None:
     """sk64 and the non-finite flag of a CPU tensor of whole rows (the common case), or None
     when the general path is needed."""
@@ -207,6 +222,9 @@ def _sk64_sums(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _sk64(t: torch.Tensor) -> tuple[int, bool]:
+    got = native.sk64(t)
+    if got is not None:
+        return got[0]
     fast = _sk64_whole_rows(t)
     if fast is not None:
         return fast
@@ -240,8 +258,7 @@ def _sketch_sums(
         return None
     flat = t.view(-1)
     grid = flat.view(torch.int64).view(slices, -1, SK64_ROW)
-    acc = _float_acc(flat)
-    fsums = flat.view(slices, -1).sum(1, dtype=acc) if acc is not None and flat.numel() else None
+    fsums = _float_sum(flat.view(slices, -1), 1) if flat.is_floating_point() and flat.numel() else None
     return grid.sum(1), grid.sum(2), fsums
 
 
@@ -354,8 +371,10 @@ def region_of(inner: torch.Tensor, outer: torch.Tensor) -> int | None:
     n_in, n_out = nbytes_of(inner), nbytes_of(outer)
     p_in, p_out = inner.data_ptr(), outer.data_ptr()
     off = p_in - p_out
-    if off < 0 or off + n_in > n_out or n_in < schema.SK64_MIN_BYTES:
+    if off < 0 or off + n_in > n_out:
         return None  # not inside (bytes inside another tensor's bytes are that tensor's memory)
+    if n_in < schema.SK64_MIN_BYTES and not native.available():
+        return None  # the torch path fingerprints it with zlib64
     if off % _SK64_ROW_BYTES or ((off + n_in) % _SK64_ROW_BYTES and off + n_in != n_out):
         return None
     if p_out % 8 or n_out % 8 or n_in % 8 or outer.dtype in (torch.bool,) or outer.is_complex():
@@ -374,6 +393,9 @@ def fingerprint_with_region(
     the all-gather case is the only one (None otherwise: fingerprint them apart)."""
     n_out = nbytes_of(outer)
     if n_in and n_out % n_in == 0 and off % n_in == 0:
+        got = native.sk64(outer, n_out // n_in)
+        if got is not None:
+            return got[0], got[1 + off // n_in]
         sketch = _sketch(outer, n_out // n_in)
         if sketch is not None:
             mine = 1 + off // n_in
@@ -396,7 +418,7 @@ def fingerprint_with_region(
         if floats is not None and w1 > w0:
             per_word = floats.numel() // words.numel()
             f = floats[w0 * per_word : w1 * per_word]
-            nf = not math.isfinite(float(f.sum(dtype=_float_acc(f))))
+            nf = not math.isfinite(float(_float_sum(f)))
         return rowsums, list(_int64s(colsums)), nf
 
     inner = part(w_in, w_end)
@@ -418,7 +440,9 @@ def default_algo(t: torch.Tensor) -> str:
         # sk64 where its three-reduction path applies, lin64 (any layout) otherwise
         whole_rows = nbytes and nbytes % _SK64_ROW_BYTES == 0 and t.is_contiguous() and not t.is_complex()
         return schema.FP_SK64 if whole_rows and t.dtype != torch.bool else schema.FP_LIN64
-    return schema.FP_SK64 if nbytes >= schema.SK64_MIN_BYTES else schema.FP_ZLIB64
+    if nbytes >= schema.SK64_MIN_BYTES or native.available():
+        return schema.FP_SK64
+    return schema.FP_ZLIB64
 
 
 def fingerprint(t: torch.Tensor, algo: str | None = None) -> tuple[Any, Any, str]:
@@ -426,6 +450,10 @@ def fingerprint(t: torch.Tensor, algo: str | None = None) -> tuple[Any, Any, str
 
     ``algo`` defaults to ``default_algo(t)``. sk64 can be computed on any device (a replay of a
     CPU trace on a GPU), synchronously."""
+    if (algo is None or algo == schema.FP_SK64) and t.device.type == "cpu":
+        got = native.sk64(t)  # the common case: a contiguous CPU tensor
+        if got is not None:
+            return got[0][0], got[0][1], schema.FP_SK64
     algo = algo or default_algo(t)
     if algo == schema.FP_SK64:
         if t.device.type != "cpu":
@@ -716,7 +744,16 @@ def _pending_nf(rows: _HostRows, r: int) -> Any:
 def fingerprint_many(tensors: list[torch.Tensor]) -> list[tuple[Any, Any, str]]:
     """fingerprint() of each tensor. On CUDA: a fixed number of kernel launches for all of them,
     one device-to-host copy and one event."""
-    if not tensors or tensors[0].device.type == "cpu" or any(t.device != tensors[0].device for t in tensors):
+    if not tensors:
+        return []
+    if tensors[0].device.type == "cpu":
+        got = native.sk64_many(tensors)  # one native call for all of them
+        if got is not None:
+            return [
+                fingerprint(t) if g is None else (g[0], g[1], schema.FP_SK64)
+                for t, g in zip(tensors, got, strict=True)
+            ]
+    if tensors[0].device.type == "cpu" or any(t.device != tensors[0].device for t in tensors):
         return [fingerprint(t) for t in tensors]
     device = tensors[0].device
     rows, row_of = _lin64_rows(tensors)

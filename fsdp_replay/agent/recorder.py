@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_replay.agent import capture
+from fsdp_replay.agent import capture, native
 from fsdp_replay.agent.collectives import DEFERRABLE_OPS, P2P_OPS, CollectiveCall, wait_result, work_of
 from fsdp_replay.agent.config import AgentConfig
 from fsdp_replay.agent.fingerprint import (
@@ -215,7 +215,8 @@ class Recorder:
                 },
                 "start_ns": time.time_ns(),
                 "fingerprint_algos": {
-                    "cpu": schema.FP_ZLIB64,
+                    "cpu": schema.FP_SK64 if native.available() else schema.FP_ZLIB64,
+                    "native_core": native.available(),
                     "cpu_large": schema.FP_SK64,
                     "cpu_large_min_bytes": schema.SK64_MIN_BYTES,
                     "cuda": schema.FP_LIN64,
@@ -555,7 +556,7 @@ class Recorder:
         w = self._ensure_started()
         if self._deferred:
             self.complete_deferred(force=True)
-        params = fingerprint_many([capture.local(p).detach() for p in capture.optimizer_params(opt)])
+        params = fingerprint_many([capture.local(p) for p in capture.optimizer_params(opt)])
         loss = host_values(torch.stack(self.losses)) if self.losses else []
         w.event(
             {

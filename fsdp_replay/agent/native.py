@@ -1,0 +1,192 @@
+"""The agent's native fingerprint core: ``_fpcore.c``, loaded with ctypes when it was built.
+
+``pip install`` compiles it (``setup.py``; optional: an install without a C compiler still
+succeeds). It is a plain C library, not a Python extension, so the copy that the Kubernetes
+injector puts into a pod works with whatever Python the pod runs. Where it is missing, or
+disabled with ``FSDP_REPLAY_NATIVE=0``, the agent computes the same fingerprints with torch.
+
+It computes sk64 of a contiguous CPU tensor in one pass over its bytes (the torch path takes
+three, plus a few Python-level calls that cost more than the reductions below a megabyte), and
+its non-finite flag exactly: an element is NaN or infinite. The torch path flags a tensor whose
+float sum is not finite, which also happens when finite elements sum past the dtype's range.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_DISABLE = "FSDP_REPLAY_NATIVE"
+_ABI = 32002  # fsdpr_abi() of the C source this module is written for
+# Element kinds of the non-finite check (the C enum); complex numbers are pairs of their real type.
+_KINDS: dict[torch.dtype, int] = {
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float32: 3,
+    torch.float64: 4,
+    torch.complex64: 3,
+    torch.complex128: 4,
+    torch.complex32: 1,
+}
+for _d in (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)),
+):
+    _KINDS[_d] = 0
+# float8 and other float formats are not in the table: the torch path takes them.
+
+_SLOTS = 64  # slices a call can take without allocating its output arrays
+
+
+class _Core:
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self.sk64 = lib.fsdpr_sk64
+        self.sk64.restype = ctypes.c_int
+        self.sk64.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
+        self.sk64_many = lib.fsdpr_sk64_many
+        self.sk64_many.restype = ctypes.c_int
+        self.sk64_many.argtypes = [ctypes.c_size_t, *[ctypes.c_void_p] * 5]
+        self.crc32 = lib.fsdpr_crc32
+        self.crc32.restype = ctypes.c_uint32
+        self.crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        self.local = threading.local()
+
+    def buffers(self, n: int) -> tuple[Any, Any]:
+        if n > _SLOTS:
+            return (ctypes.c_uint64 * n)(), (ctypes.c_uint8 * n)()
+        local = self.local
+        try:
+            return local.fps, local.nfs
+        except AttributeError:
+            local.fps, local.nfs = (ctypes.c_uint64 * _SLOTS)(), (ctypes.c_uint8 * _SLOTS)()
+            return local.fps, local.nfs
+
+
+_core: _Core | None = None
+_loaded = False
+_lock = threading.Lock()
+
+
+def library_path() -> Path | None:
+    """The built library next to this module, if any."""
+    here = Path(__file__).resolve().parent
+    for p in sorted(here.glob("_fpcore*.so")):
+        return p
+    return None
+
+
+def _load() -> _Core | None:
+    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if sys.byteorder != "little":
+        return None
+    path = library_path()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.fsdpr_abi.restype = ctypes.c_int
+        abi = lib.fsdpr_abi()
+        if abi != _ABI:
+            log.warning(
+                "fsdp-replay: %s is from another version (abi %d, want %d); not used", path, abi, _ABI
+            )
+            return None
+        return _Core(lib, path)
+    except (OSError, AttributeError) as e:
+        log.warning("fsdp-replay: cannot load %s (%s); fingerprints use torch", path, e)
+        return None
+
+
+def core() -> _Core | None:
+    """The loaded library, or None (not built, disabled, or not loadable): loaded on first use."""
+    global _core, _loaded
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _core = _load()
+                _loaded = True
+    return _core
+
+
+def available() -> bool:
+    return core() is not None
+
+
+def reload() -> None:
+    """Forget the loaded state, so the next call reads FSDP_REPLAY_NATIVE again (tests)."""
+    global _core, _loaded
+    with _lock:
+        _core, _loaded = None, False
+
+
+def sk64(t: torch.Tensor, slices: int = 1) -> list[tuple[int, bool]] | None:
+    """[(sk64, nonfinite) of the whole tensor, then of each of its ``slices`` equal slices] of a
+    contiguous CPU tensor, or None where the native core does not apply (not built, another
+    device, strided, a dtype without a non-finite rule here, slices not of whole rows)."""
+    c = _core if _loaded else core()
+    if c is None or t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    kind = _KINDS.get(t.dtype)
+    if kind is None:
+        return None
+    nbytes = t.numel() * t.element_size()
+    fps, nfs = c.buffers(slices + 1)
+    if c.sk64(t.data_ptr() if nbytes else None, nbytes, slices, kind, fps, nfs):
+        return None  # slices that are not whole rows, or no memory for the row sums
+    return [(fps[i], bool(nfs[i])) for i in range(slices + 1)]
+
+
+def sk64_many(tensors: list[torch.Tensor]) -> list[tuple[int, bool] | None] | None:
+    """[(sk64, nonfinite) or None] for each tensor (None where ``sk64`` would return None), in
+    one native call; None when the core is not loaded."""
+    c = _core if _loaded else core()
+    if c is None:
+        return None
+    take: list[int] = []
+    ptrs: list[int] = []
+    sizes: list[int] = []
+    kinds: list[int] = []
+    for i, t in enumerate(tensors):
+        kind = _KINDS.get(t.dtype)
+        if kind is None or t.device.type != "cpu" or not t.is_contiguous():
+            continue
+        n = t.numel() * t.element_size()
+        take.append(i)
+        ptrs.append(t.data_ptr() if n else 0)
+        sizes.append(n)
+        kinds.append(kind)
+    out: list[tuple[int, bool] | None] = [None] * len(tensors)
+    if not take:
+        return out
+    k = len(take)
+    fps, nfs = (ctypes.c_uint64 * k)(), (ctypes.c_uint8 * k)()
+    if c.sk64_many(
+        k, (ctypes.c_uint64 * k)(*ptrs), (ctypes.c_uint64 * k)(*sizes), (ctypes.c_int32 * k)(*kinds), fps, nfs
+    ):
+        return None
+    for j, i in enumerate(take):
+        out[i] = (fps[j], bool(nfs[j]))
+    return out

@@ -1,0 +1,145 @@
+"""The native fingerprint core (``fsdp_replay/agent/_fpcore.c``, loaded with ctypes).
+
+Its values must be the numpy reference's (``fsdp_replay.trace.fingerprint``) for any length,
+alignment, dtype and number of slices; the agent must fall back to torch where it does not apply.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_replay.agent import native
+from fsdp_replay.agent.fingerprint import fingerprint, fingerprint_with_region, region_of
+from fsdp_replay.trace import fingerprint as ref
+
+
+def _bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
+
+
+def test_crc32_is_zlibs(native_core: str) -> None:
+    core = native.core()
+    assert core is not None
+    for n in (0, 1, 7, 8, 9, 255, 4096, 100_003):
+        b = _bytes(n + 3, seed=n)
+        for start in range(3):
+            data = b[start : start + n].numpy().tobytes()
+            buf = b[start : start + n]
+            assert core.crc32(0, buf.data_ptr() if n else None, n) == zlib.crc32(data)
+            assert core.crc32(12345, buf.data_ptr() if n else None, n) == zlib.crc32(data, 12345)
+
+
+def test_sk64_is_the_reference_for_any_length_and_alignment(native_core: str) -> None:
+    for n in (0, 1, 7, 8, 9, 255, 256, 257, 511, 4096, 65_535, 65_536, 65_537, 300_001):
+        base = _bytes(n + 8, seed=n)
+        for start in (0, 1, 3, 8):
+            t = base[start : start + n]
+            got = native.sk64(t)
+            assert got is not None
+            assert got[0] == got[1]
+            assert got[0][0] == ref.sk64(t.numpy().tobytes()), (n, start)
+
+
+@pytest.mark.parametrize("slices", [2, 3, 8])
+def test_slices_are_each_the_reference(slices: int, native_core: str) -> None:
+    t = torch.randn(slices * 64 * 37)  # slices of 37 rows of 256 bytes
+    got = native.sk64(t, slices)
+    assert got is not None and len(got) == slices + 1
+    assert got[0][0] == ref.sk64(t.numpy())
+    for i, part in enumerate(t.view(slices, -1)):
+        assert got[1 + i][0] == ref.sk64(part.numpy())
+    # a NaN in one slice flags that slice and the whole only
+    t[64 * 37 + 5] = float("nan")
+    flags = [nf for _, nf in native.sk64(t, slices) or []]
+    assert flags == [True, False, True] + [False] * (slices - 2)
+
+
+def test_slices_that_are_not_whole_rows_are_refused(native_core: str) -> None:
+    assert native.sk64(torch.randn(2 * 100), 2) is None  # 400 bytes per slice
+    assert native.sk64(torch.randn(2 * 64), 0) is None
+
+
+def test_small_in_place_all_gathers_share_one_pass(native_core: str) -> None:
+    out = torch.randn(4 * 64 * 3)  # four ranks' shards of 768 bytes: far below 64 KiB
+    inp = out[2 * 192 : 3 * 192]
+    assert region_of(inp, out) == 2 * 768
+    whole, part = fingerprint_with_region(out, 2 * 768, 768) or ((None, None), (None, None))
+    assert whole == fingerprint(out)[:2] and part == fingerprint(inp)[:2]
+    assert part[0] == ref.sk64(inp.numpy())
+
+
+def test_where_it_does_not_apply_the_torch_path_does(native_core: str) -> None:
+    base = torch.randn(64, 65)
+    assert native.sk64(base.t()) is None  # strided
+    fp, _, algo = fingerprint(base.t())
+    assert algo == "sk64" and fp == ref.sk64(base.t().contiguous().numpy())
+    if hasattr(torch, "float8_e4m3fn"):
+        f8 = torch.randn(1000).to(torch.float8_e4m3fn)
+        assert native.sk64(f8) is None
+        assert fingerprint(f8)[0] == ref.sk64(f8.view(torch.uint8).numpy())
+
+
+def test_many_tensors_in_one_call(native_core: str) -> None:
+    from fsdp_replay.agent.fingerprint import fingerprint_many
+
+    base = torch.randn(64, 65)
+    tensors = [
+        torch.randn(1000),
+        torch.empty(0),
+        base.t(),  # strided: not taken natively
+        torch.arange(77, dtype=torch.int64),
+        torch.nn.Parameter(torch.randn(513).to(torch.bfloat16)),
+        torch.tensor([1.0, float("inf")], dtype=torch.float16),
+    ]
+    got = native.sk64_many(tensors)
+    assert got is not None and got[2] is None
+    for t, g in zip(tensors, got, strict=True):
+        if g is not None:
+            assert g == native.sk64(t)[0]  # type: ignore[index]
+    assert fingerprint_many(tensors) == [fingerprint(t) for t in tensors]
+    assert [nf for _, nf, _ in fingerprint_many(tensors)] == [False] * 5 + [True]
+
+
+def test_threads_get_their_own_row_buffers(native_core: str) -> None:
+    tensors = [torch.randn(1000 + 977 * i) for i in range(8)]
+    want = [ref.sk64(t.numpy()) for t in tensors]
+    bad: list[int] = []
+
+    def work(k: int) -> None:
+        for _ in range(200):
+            for i in (k, 7 - k):
+                got = native.sk64(tensors[i])
+                if got is None or got[0][0] != want[i]:
+                    bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert bad == []
+
+
+def test_it_can_be_disabled(torch_fp: str) -> None:
+    assert native.core() is None
+    assert native.sk64(torch.randn(100)) is None
+    assert fingerprint(torch.randn(100))[2] == "zlib64"
+
+
+def test_a_library_of_another_version_is_not_used(
+    native_core: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(native, "_ABI", 1)
+    native.reload()
+    with caplog.at_level(logging.WARNING, logger="fsdp_replay.agent.native"):
+        assert native.core() is None
+    assert "from another version" in caplog.text
+    monkeypatch.undo()
+    native.reload()
+    assert native.core() is not None
