@@ -13,9 +13,17 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# The agent's native fingerprint core (pip install -e . builds it here; PYTHONPATH does not).
+if command -v gcc >/dev/null; then
+  gcc -O3 -std=gnu11 -shared -fPIC -o fsdp_replay/agent/_fpcore.so fsdp_replay/agent/_fpcore.c 2>&1 | tee "$OUT/native-build.log"
+else
+  echo "no gcc: fingerprints use the torch path" | tee "$OUT/native-build.log"
+fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$OUT/machine.txt"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -o addopts="" 2>&1 | tee "$OUT/gpu-tests.log"
 echo "gpu tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_native.py -o addopts="" 2>&1 | tee -a "$OUT/gpu-tests.log"
+echo "native core tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
 python3 bench/bench_record.py --nproc 1 --device cuda --steps ${BENCH_STEPS:-30} --reps ${BENCH_REPS:-4} \
   --configs ${BENCH_CONFIGS:-meta,meta-nosync} --cooldown 0 \
   --train-args="--deterministic --d-model 1024 --layers 8 --heads 16 --seq-len 512 --batch-size 16 --vocab 8192 --workers 2" \

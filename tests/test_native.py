@@ -106,6 +106,22 @@ def test_many_tensors_in_one_call(native_core: str) -> None:
     assert [nf for _, nf, _ in fingerprint_many(tensors)] == [False] * 5 + [True]
 
 
+def test_repeated_calls_with_the_same_tensors_see_their_new_bytes(native_core: str) -> None:
+    """sk64_many reuses its argument arrays for the same tensors (a step's parameters), but a
+    tensor whose bytes changed in place, or whose storage was replaced, gets its new value."""
+    params = [torch.randn(300), torch.randn(5000), torch.zeros(7, dtype=torch.bfloat16)]
+    first = native.sk64_many(params)
+    assert native.sk64_many(params) == first
+    params[1].add_(1.0)  # an optimizer step: in place
+    second = native.sk64_many(params)
+    assert second is not None and first is not None
+    assert second[1] != first[1] and second[0] == first[0]
+    params[0].data = torch.randn(600)  # a new storage (load_state_dict, .data = ...)
+    third = native.sk64_many(params)
+    assert third is not None and third[0] == native.sk64(params[0])[0]  # type: ignore[index]
+    assert third[0][0] == ref.sk64(params[0].numpy())  # type: ignore[index]
+
+
 def test_threads_get_their_own_row_buffers(native_core: str) -> None:
     tensors = [torch.randn(1000 + 977 * i) for i in range(8)]
     want = [ref.sk64(t.numpy()) for t in tensors]

@@ -16,8 +16,9 @@ import os
 import platform
 import random
 import sys
+import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -147,6 +148,31 @@ def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())).decode()
 
 
+class _LastPieces:
+    """The last encoded piece of each RNG component and its crc32: most programs draw from some
+    generators only (python's and numpy's often stay put for a whole run), and encoding the
+    625-word Mersenne Twister states as JSON is most of ``encode_rng``'s cost. One per process,
+    used by the writer thread (and the replayer's): a lock keeps concurrent users correct."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[Any, str, int]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, key: Any, encode: Callable[[], str]) -> tuple[str, int]:
+        with self._lock:
+            last = self._last.get(name)
+            if last is not None and last[0] == key:
+                return last[1], last[2]
+        piece = encode()
+        crc = zlib.crc32(piece.encode())
+        with self._lock:
+            self._last[name] = (key, piece, crc)
+        return piece, crc
+
+
+_RNG_PIECES = _LastPieces()
+
+
 def encode_rng(state: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
     """(fingerprints per component, JSON bytes of the whole state) on the writer thread.
 
@@ -156,16 +182,23 @@ def encode_rng(state: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
     pieces: dict[str, str] = {}
     fps: dict[str, Any] = {}
     version, internal, gauss = state["python"]
-    pieces["python"] = json.dumps([version, list(internal), gauss], separators=(",", ":"))
-    pieces["torch"] = json.dumps(_b64(state["torch"]))
+    pieces["python"], fps["python"] = _RNG_PIECES.get(
+        "python",
+        state["python"],
+        lambda: json.dumps([version, list(internal), gauss], separators=(",", ":")),
+    )
+    pieces["torch"], fps["torch"] = _RNG_PIECES.get(
+        "torch", state["torch"].numpy().tobytes(), lambda: json.dumps(_b64(state["torch"]))
+    )
     if "numpy" in state:
         name, keys, pos, has_gauss, cached = state["numpy"]
-        keys = keys.tolist() if hasattr(keys, "tolist") else [int(k) for k in keys]
-        pieces["numpy"] = json.dumps(
-            [name, keys, int(pos), int(has_gauss), float(cached)], separators=(",", ":")
-        )
-    for k, v in pieces.items():
-        fps[k] = zlib.crc32(v.encode())
+        key = (name, keys.tobytes() if hasattr(keys, "tobytes") else tuple(keys), pos, has_gauss, cached)
+
+        def numpy_piece() -> str:
+            k = keys.tolist() if hasattr(keys, "tolist") else [int(x) for x in keys]
+            return json.dumps([name, k, int(pos), int(has_gauss), float(cached)], separators=(",", ":"))
+
+        pieces["numpy"], fps["numpy"] = _RNG_PIECES.get("numpy", key, numpy_piece)
     if "cuda" in state:
         cuda = [json.dumps(_b64(t)) for t in state["cuda"]]
         fps["cuda"] = [zlib.crc32(x.encode()) for x in cuda]

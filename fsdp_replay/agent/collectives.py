@@ -60,6 +60,13 @@ _FUNCTIONAL_IN_ARGS = frozenset({"input", "inputs"})
 
 
 _COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
+# The backend kernels of the c10d ops, reached straight from our Autograd kernel (see _backend_call).
+_BACKEND_KEYS = {
+    "cpu": torch._C.DispatchKeySet(torch._C.DispatchKey.CPU),
+    "cuda": torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA),
+}
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _REDUCE_OP_NAMES: dict[int, str] = {}
 
 
@@ -68,6 +75,39 @@ def _overload(namespace: Any, name: str) -> Any:
     if packet is None:
         return None  # not in this torch version
     return getattr(packet, "default", None)
+
+
+def _backend_call(overload: Any) -> Callable[..., Any]:
+    """Calls a c10d op's real kernel from our kernel (below autograd).
+
+    Calling the op again goes through Python's OpOverload wrapper and the whole dispatcher, which
+    costs ~30 us a collective on a small VM. For the common case (positional arguments, plain
+    strided CPU or CUDA tensors, no TorchDispatchMode active) we redispatch straight to the
+    backend key that the dispatcher would pick next: the c10d ops have only backend kernels
+    (CPU, CUDA, PrivateUse1, Sparse*, Meta) below Autograd. Anything else takes the full path.
+    """
+    first = next(
+        (i for i, a in enumerate(overload._schema.arguments) if str(a.type).startswith("Tensor")), None
+    )
+    redispatch = overload._handle.redispatch_boxed
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if (
+            not kwargs
+            and first is not None
+            and first < len(args)
+            and (_dispatch_modes is None or not _dispatch_modes())
+        ):
+            t = args[first]
+            while type(t) is list and t:
+                t = t[0]
+            if type(t) in _PLAIN_TENSORS and t.layout == torch.strided:
+                keys = _BACKEND_KEYS.get(t.device.type)
+                if keys is not None:
+                    return redispatch(keys, *args)
+        return overload(*args, **kwargs)
+
+    return call
 
 
 def _flatten(x: Any) -> list[torch.Tensor]:
@@ -90,6 +130,8 @@ class CollectiveCall:
     outputs: list[torch.Tensor] = field(default_factory=list)
     functional: bool = False
     """A functional collective: outputs are the op's result, known after it returns."""
+    extra_names: tuple[str, ...] = _EXTRA_ARGS
+    """The arguments of ``_EXTRA_ARGS`` the op has (the kernel knows them from the schema)."""
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -121,7 +163,13 @@ class CollectiveCall:
 
     @property
     def extra(self) -> dict[str, Any]:
-        return {k: self.bound[k] for k in _EXTRA_ARGS if k in self.bound and self.bound[k] is not None}
+        b = self.bound
+        return {k: b[k] for k in self.extra_names if b.get(k) is not None}
+
+    @property
+    def root(self) -> Any:
+        b = self.bound
+        return b.get("root_rank", b.get("dst", b.get("src")))
 
 
 class Handler(Protocol):
@@ -194,16 +242,24 @@ class CollectiveInterceptor:
         argnames = [a.name for a in overload._schema.arguments]
         handler = self.handler
         on_error = self.on_error
-        send_only = name in _SEND_ONLY
-        recv_only = name in _RECV_ONLY
         in_args = _FUNCTIONAL_IN_ARGS if functional else _IN_ARGS
+        # the tensor arguments and what they are: "i" sent, "o" received, "io" both (in place)
+        roles = []
+        for a in argnames:
+            if a in in_args:
+                roles.append((a, "i"))
+            elif a in _OUT_ARGS:
+                roles.append((a, "o"))
+            elif a == "tensors":
+                roles.append((a, "i" if name in _SEND_ONLY else "o" if name in _RECV_ONLY else "io"))
+        extra_names = tuple(k for k in _EXTRA_ARGS if k in argnames)
 
         if functional:
 
             def call_real(*args: Any, **kwargs: Any) -> Any:
                 return overload._op_dk(_COMPOSITE, *args, **kwargs)
         else:
-            call_real = overload
+            call_real = _backend_call(overload)
 
         def real(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
             return lambda: call_real(*args, **kwargs)
@@ -214,19 +270,18 @@ class CollectiveInterceptor:
                     return call_real(*args, **kwargs)
                 try:
                     bound = dict(zip(argnames, args, strict=False))
-                    bound.update(kwargs)
-                    call = CollectiveCall(name, args, kwargs, bound, functional=functional)
-                    for key, value in bound.items():
-                        if key in in_args:
-                            call.inputs.extend(_flatten(value))
-                        elif key in _OUT_ARGS:
-                            call.outputs.extend(_flatten(value))
-                        elif key == "tensors":
-                            ts = _flatten(value)
-                            if not recv_only:
-                                call.inputs.extend(ts)
-                            if not send_only:
-                                call.outputs.extend(ts)
+                    if kwargs:
+                        bound.update(kwargs)
+                    inputs: list[torch.Tensor] = []
+                    outputs: list[torch.Tensor] = []
+                    for key, role in roles:
+                        value = bound.get(key)
+                        ts: list[torch.Tensor] = [value] if type(value) in _PLAIN_TENSORS else _flatten(value)  # type: ignore[list-item]
+                        if role != "o":
+                            inputs += ts
+                        if role != "i":
+                            outputs += ts
+                    call = CollectiveCall(name, args, kwargs, bound, inputs, outputs, functional, extra_names)
                 except Exception as e:  # never let our bookkeeping break the program's collective
                     on_error(f"collective {name}", e)
                     return call_real(*args, **kwargs)

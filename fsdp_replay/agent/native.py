@@ -159,34 +159,69 @@ def sk64(t: torch.Tensor, slices: int = 1) -> list[tuple[int, bool]] | None:
     return [(fps[i], bool(nfs[i])) for i in range(slices + 1)]
 
 
+class _ManyArgs:
+    """The argument arrays of the last ``sk64_many`` call, reused when it is called again with the
+    same tensor objects at the same addresses and sizes (a step's parameters, every step): in a
+    training process each tensor attribute read costs microseconds, so rereading dtype, device
+    and layout of every parameter each step is most of the call."""
+
+    __slots__ = ("kinds", "nbytes", "ptrs", "sizes", "take", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.sizes: list[tuple[int, int, torch.dtype]] = []  # (data_ptr, numel, dtype) per tensor taken
+        self.take: list[int] = []
+        self.ptrs: Any = None
+        self.nbytes: Any = None
+        self.kinds: Any = None
+
+    def matches(self, tensors: list[torch.Tensor]) -> bool:
+        mine = self.tensors
+        if len(mine) != len(tensors) or any(a is not b for a, b in zip(mine, tensors, strict=True)):
+            return False
+        return all(
+            (tensors[i].data_ptr(), tensors[i].numel()) == s
+            for i, s in zip(self.take, self.sizes, strict=True)
+        )
+
+
+_MANY = threading.local()
+
+
 def sk64_many(tensors: list[torch.Tensor]) -> list[tuple[int, bool] | None] | None:
     """[(sk64, nonfinite) or None] for each tensor (None where ``sk64`` would return None), in
     one native call; None when the core is not loaded."""
     c = _core if _loaded else core()
     if c is None:
         return None
-    take: list[int] = []
-    ptrs: list[int] = []
-    sizes: list[int] = []
-    kinds: list[int] = []
-    for i, t in enumerate(tensors):
-        kind = _KINDS.get(t.dtype)
-        if kind is None or t.device.type != "cpu" or not t.is_contiguous():
-            continue
-        n = t.numel() * t.element_size()
-        take.append(i)
-        ptrs.append(t.data_ptr() if n else 0)
-        sizes.append(n)
-        kinds.append(kind)
+    args: _ManyArgs | None = getattr(_MANY, "args", None)
+    if args is None or not args.matches(tensors):
+        args = _MANY.args = _ManyArgs()
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        kinds: list[int] = []
+        for i, t in enumerate(tensors):
+            kind = _KINDS.get(t.dtype)
+            if kind is None or t.device.type != "cpu" or not t.is_contiguous():
+                continue
+            n = t.numel() * t.element_size()
+            args.take.append(i)
+            args.sizes.append((t.data_ptr(), t.numel(), t.dtype))
+            ptrs.append(t.data_ptr() if n else 0)
+            sizes.append(n)
+            kinds.append(kind)
+        k = len(ptrs)
+        args.tensors = list(tensors)
+        args.ptrs = (ctypes.c_uint64 * k)(*ptrs)
+        args.nbytes = (ctypes.c_uint64 * k)(*sizes)
+        args.kinds = (ctypes.c_int32 * k)(*kinds)
     out: list[tuple[int, bool] | None] = [None] * len(tensors)
-    if not take:
+    k = len(args.take)
+    if not k:
         return out
-    k = len(take)
     fps, nfs = (ctypes.c_uint64 * k)(), (ctypes.c_uint8 * k)()
-    if c.sk64_many(
-        k, (ctypes.c_uint64 * k)(*ptrs), (ctypes.c_uint64 * k)(*sizes), (ctypes.c_int32 * k)(*kinds), fps, nfs
-    ):
+    if c.sk64_many(k, args.ptrs, args.nbytes, args.kinds, fps, nfs):
         return None
-    for j, i in enumerate(take):
+    for j, i in enumerate(args.take):
         out[i] = (fps[j], bool(nfs[j]))
     return out

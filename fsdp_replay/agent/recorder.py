@@ -61,6 +61,7 @@ REGION_OPS = frozenset(
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+_NO_PLAN: tuple[dict[int, tuple[int, int]], tuple[int, ...]] = ({}, ())
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -127,10 +128,13 @@ class Recorder:
         self.payload_now = 0 in config.payloads
         self.losses: list[Any] = []
         self.pgs: dict[str, int] = {}
+        self._pg_ids: dict[int, tuple[Any, int]] = {}
         self.primary: weakref.ref[torch.optim.Optimizer] | None = None
         self.roots: list[weakref.ref[torch.nn.Module]] = []
         self.names: dict[int, str] = {}
-        self.inflight: dict[str, Any] | None = None
+        # the collective being waited in: (seq, step, op, pg, t_ns), and whether it was reported stuck
+        self.inflight: tuple[int, int, str, int, int] | None = None
+        self._stuck_reported = False
         self.iterators: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
         self.loaders = 0
         self.batches = 0
@@ -141,7 +145,10 @@ class Recorder:
         self._lock = threading.Lock()
         self.on_step_zero_done: Callable[[], None] | None = None
         self.module_idx = 0
-        self._deferred: list[tuple[Any, CollectiveCall, dict[str, Any]]] = []
+        # (work, call, event, regions, store outputs): collectives completed at the program's wait
+        self._deferred: list[
+            tuple[Any, CollectiveCall, dict[str, Any], dict[int, tuple[int, int]], bool]
+        ] = []
         self._pending_marker: threading.Event | None = None
         self._on_gpu: bool | None = None  # the primary optimizer's parameters are on a GPU
         self.tap: Any = None
@@ -234,17 +241,17 @@ class Recorder:
     def _stuck(self) -> dict[str, Any] | None:
         """Writer thread, when idle: the collective this rank has waited in for a while, once."""
         inflight = self.inflight
-        if inflight is None or inflight.get("reported"):
+        if inflight is None or self._stuck_reported:
             return None
-        waited = time.monotonic_ns() - self.t0 - inflight["t_ns"]
+        waited = time.monotonic_ns() - self.t0 - inflight[4]
         if waited < schema.STUCK_AFTER_NS:
             return None
-        inflight["reported"] = True
-        return {
-            "type": schema.EV_STUCK,
-            **{k: inflight[k] for k in ("seq", "step", "op", "pg", "t_ns")},
-            "waited_ns": waited,
-        }
+        self._stuck_reported = True
+        return {"type": schema.EV_STUCK, **self._inflight_dict(inflight), "waited_ns": waited}
+
+    @staticmethod
+    def _inflight_dict(inflight: tuple[int, int, str, int, int]) -> dict[str, Any]:
+        return dict(zip(("seq", "step", "op", "pg", "t_ns"), inflight, strict=True))
 
     def finish(self, reason: str = "exit") -> None:
         """Write the end event and drain the writer (atexit, SIGTERM). Idempotent."""
@@ -270,9 +277,7 @@ class Recorder:
                 "colls": self.seq,
                 "t_ns": time.monotonic_ns() - self.t0,
                 "counters": counters,
-                "inflight": None
-                if self.inflight is None
-                else {k: v for k, v in self.inflight.items() if k != "reported"},
+                "inflight": None if self.inflight is None else self._inflight_dict(self.inflight),
             }
         )
         w.flush(FLUSH_TIMEOUT_S)
@@ -325,6 +330,14 @@ class Recorder:
     def _pg(self, pg: dist.ProcessGroup | None) -> int:
         if pg is None:
             return -1
+        got = self._pg_ids.get(id(pg))
+        if got is not None and got[0] is pg:
+            return got[1]
+        pid = self._new_pg(pg)
+        self._pg_ids[id(pg)] = (pg, pid)  # holds pg: its id is never reused while cached
+        return pid
+
+    def _new_pg(self, pg: dist.ProcessGroup) -> int:
         name = pg.group_name
         if name in self.pgs:
             return self.pgs[name]
@@ -370,122 +383,135 @@ class Recorder:
             self.program_ns += time.thread_time_ns() - t0
 
     def _run(self, call: CollectiveCall, real: Callable[[], Any]) -> Any:
+        # The hot path of recording (a few dozen calls a step): few calls, no per-call dicts
+        # beyond the event itself; see docs/architecture.md ("What recording costs").
         if self._deferred:
             self.complete_deferred()
+        op = call.op
         try:
-            self._check_fault("coll")
-            self._ensure_started()
+            if self.fault is not None:
+                self.fault.check("coll")
+            if self.writer is None:
+                self._ensure_started()
             store_in = self.payload_now and self.config.payload_inputs
-            regions = self._regions(call) if not store_in else {}
-            late = self._late_inputs(call, regions) if not store_in else set()
+            regions, late = (
+                self._input_plan(call) if not store_in and (op in REGION_OPS or op in LATE_OPS) else _NO_PLAN
+            )
+            inputs = call.inputs
+            seq, t_ns = self.seq, time.monotonic_ns() - self.t0
+            pg = self._pg(call.process_group)
             event: dict[str, Any] = {
                 "type": schema.EV_COLLECTIVE,
-                "seq": self.seq,
+                "seq": seq,
                 "step": self.step,
                 "micro": self.micro,
-                "op": call.op,
-                "pg": self._pg(call.process_group),
+                "op": op,
+                "pg": pg,
                 "reduce_op": call.reduce_op,
-                "root": call.bound.get("root_rank", call.bound.get("dst", call.bound.get("src"))),
-                "t_ns": time.monotonic_ns() - self.t0,
+                "root": call.root,
+                "t_ns": t_ns,
                 "dur_ns": 0,
                 "tensors": [
                     self._placeholder(t) if i in regions or i in late else self._tensor("i", t, store_in)
-                    for i, t in enumerate(call.inputs)
+                    for i, t in enumerate(inputs)
                 ],
             }
-            if regions:
-                event["_regions"] = regions
             extra = call.extra
             if extra:
                 event["extra"] = extra
-            event["_store_outputs"] = self.payload_now  # decided at issue, even if completed later
-            self.seq += 1
-            self.inflight = {
-                "seq": event["seq"],
-                "step": event["step"],
-                "op": event["op"],
-                "pg": event["pg"],
-                "t_ns": event["t_ns"],
-            }
+            self.seq = seq + 1
+            self.inflight = (seq, self.step, op, pg, t_ns)
+            self._stuck_reported = False
         except Exception as e:
-            self.fail(f"collective {call.op}", e)
+            self.fail(f"collective {op}", e)
             return self._program(real)
-        result = self._program(real)
+        store = self.payload_now  # for the outputs: decided at issue, even if completed later
+        t0 = time.thread_time_ns()
+        try:
+            result = real()
+        finally:
+            self.program_ns += time.thread_time_ns() - t0
         try:
             for i in late:  # while the collective runs (it only reads them)
-                event["tensors"][i] = self._tensor("i", call.inputs[i], False)
-            call.set_outputs(result)
-            work = None if call.functional else work_of(result)
-            p2p = call.op in P2P_OPS and call.outputs and call.outputs[0].device.type == "cpu"
+                event["tensors"][i] = self._tensor("i", inputs[i], False)
+            if call.functional:
+                call.set_outputs(result)
+                work = None
+            else:
+                work = work_of(result)
+            if work is not None and op in P2P_OPS and call.outputs and call.outputs[0].device.type == "cpu":
+                # Waiting here could deadlock a program that posts irecv before isend on both sides.
+                work.get_future().then(lambda _f: self._complete(call, event, regions, store))
+                return result
+            if work is not None and op in DEFERRABLE_OPS and self._deferrable(call):
+                # FSDP2 issues its all-gathers ahead and waits for them later (prefetch): waiting
+                # here would serialize them with compute. The outputs are taken at the wait.
+                self._deferred.append((work, call, event, regions, store))
+                return result
         except Exception as e:
-            self.fail(f"collective {call.op}", e)
-            return result
-        if p2p and work is not None:
-            # Waiting here could deadlock a program that posts irecv before isend on both sides.
-            work.get_future().then(lambda _f: self._complete(call, event))
-            return result
-        if work is not None and self._deferrable(call):
-            # FSDP2 issues its all-gathers ahead and waits for them later (prefetch): waiting here
-            # would serialize them with compute. The outputs are taken when the program waits.
-            self._deferred.append((work, call, event))
+            self.fail(f"collective {op}", e)
             return result
         # The program's own error (a timeout, an abort) propagates from these waits, as it would from its own.
         if call.functional:
             self._program(wait_result, result, call)
         elif work is not None:
-            self._program(work.wait)
-        self._complete(call, event)
+            if self.writer is not None and self._on_gpu is not True:
+                self.writer.kick()  # the writer encodes pending events while we block in the wait
+            t0 = time.thread_time_ns()
+            try:
+                work.wait()
+            finally:
+                self.program_ns += time.thread_time_ns() - t0
+        self._complete(call, event, regions, store)
         return result
 
-    def _regions(self, call: CollectiveCall) -> dict[int, tuple[int, int]]:
-        """Inputs of an in-place all-gather that are a part of one of its outputs (FSDP2): input
-        index -> (output index, byte offset). Their bytes are not changed by the op, so they are
-        fingerprinted with the output, once, when it completes (``fingerprint_with_region``)."""
-        if call.op not in REGION_OPS:
-            return {}
-        found: dict[int, tuple[int, int]] = {}
-        taken: set[int] = set()
-        outs = [capture.local(o) for o in call.outputs]
-        for i, t in enumerate(call.inputs):
-            t = capture.local(t)
-            for j, o in enumerate(outs):
-                off = region_of(t, o) if j not in taken else None
-                if off is not None:
-                    found[i] = (j, off)
-                    taken.add(j)
-                    break
-        return found
-
     @staticmethod
-    def _late_inputs(call: CollectiveCall, regions: dict[int, tuple[int, int]]) -> set[int]:
-        """CPU inputs that share no memory with any output, of ops that only read their inputs:
-        fingerprinted right after the op is issued, while it runs (gloo works on its own
-        threads), rather than before."""
-        if call.op not in LATE_OPS:
-            return set()
+    def _input_plan(call: CollectiveCall) -> tuple[dict[int, tuple[int, int]], tuple[int, ...]]:
+        """Which inputs are fingerprinted after the op is issued rather than before:
+
+        - regions: inputs of an in-place all-gather that are a part of one of its outputs
+          (FSDP2): input index -> (output index, byte offset). The op does not change their bytes,
+          so they are fingerprinted with the output, once, when it completes
+          (``fingerprint_with_region``);
+        - late: CPU inputs that share no memory with any output, of ops that only read their
+          inputs (``LATE_OPS``): fingerprinted right after the op is issued, while gloo's threads
+          move the data.
+        """
+        outs = [capture.local(o) for o in call.outputs]
+        ins = [capture.local(t) for t in call.inputs]
+        regions: dict[int, tuple[int, int]] = {}
+        if call.op in REGION_OPS:
+            taken: set[int] = set()
+            for i, t in enumerate(ins):
+                for j, o in enumerate(outs):
+                    off = region_of(t, o) if j not in taken else None
+                    if off is not None:
+                        regions[i] = (j, off)
+                        taken.add(j)
+                        break
+        if call.op not in LATE_OPS or len(regions) == len(ins):
+            return regions, ()
         spans = []
-        for o in call.outputs:
-            o = capture.local(o)
+        for o in outs:
             if o.device.type != "cpu" or not o.is_contiguous():
-                return set()  # a strided output's bytes are not one range: stay on the safe side
+                return regions, ()  # a strided output's bytes are not one range: stay on the safe side
             spans.append((o.data_ptr(), o.data_ptr() + nbytes_of(o)))
-        late = set()
-        for i, t in enumerate(call.inputs):
-            t = capture.local(t)
+        late = []
+        for i, t in enumerate(ins):
             if i in regions or t.device.type != "cpu" or not t.is_contiguous():
                 continue
             a, b = t.data_ptr(), t.data_ptr() + nbytes_of(t)
             if all(b <= lo or a >= hi for lo, hi in spans):
-                late.add(i)
-        return late
+                late.append(i)
+        return regions, tuple(late)
 
     @classmethod
     def _placeholder(cls, t: torch.Tensor) -> list[Any]:
         """An input whose fingerprint is filled in later (after issue, or with its output)."""
         return cls._record("i", capture.local(t), None, schema.FP_SK64, None, schema.NO_BLOB)
 
-    def _deferrable(self, call: CollectiveCall) -> bool:
+    @staticmethod
+    def _deferrable(call: CollectiveCall) -> bool:
         return (
             call.op in DEFERRABLE_OPS
             and bool(call.bound.get("async_op", True))
@@ -500,43 +526,44 @@ class Recorder:
         for: a program that waits only from C++ is still recorded.
         """
         pending, self._deferred = self._deferred, []
-        for work, call, event in pending:
+        for item in pending:
+            work = item[0]
             try:
                 done = work.is_completed()
             except Exception:
                 done = True
             if not done and not force:
-                self._deferred.append((work, call, event))
+                self._deferred.append(item)
                 continue
             if not done:
                 self._program(work.wait)  # the program's own error propagates, as from its own wait
-            self._complete(call, event)
+            self._complete(*item[1:])
 
-    def _complete(self, call: CollectiveCall, event: dict[str, Any]) -> None:
+    def _complete(
+        self, call: CollectiveCall, event: dict[str, Any], regions: dict[int, tuple[int, int]], store: bool
+    ) -> None:
         try:
-            if not self.active():
+            if not self.recording:
                 return
-            store = event.pop("_store_outputs", self.payload_now)
-            regions: dict[int, tuple[int, int]] = event.pop("_regions", {})
             known: dict[int, tuple[int, bool, str]] = {}
+            tensors = event["tensors"]
             for i, (j, off) in regions.items():
                 out, inp = capture.local(call.outputs[j]), capture.local(call.inputs[i])
                 both = fingerprint_with_region(out, off, nbytes_of(inp))
                 if both is None:  # a layout the shared path does not take: apart (same bytes)
                     fp, nf, algo = fingerprint(inp, schema.FP_SK64)
-                    event["tensors"][i][3:6] = [fp, algo, nf]
+                    tensors[i][3:6] = [fp, algo, nf]
                     continue
                 whole, part = both
-                event["tensors"][i][3:6] = [part[0], schema.FP_SK64, part[1]]
+                tensors[i][3:6] = [part[0], schema.FP_SK64, part[1]]
                 known[j] = (whole[0], whole[1], schema.FP_SK64)
-            event["tensors"] += [
-                self._tensor("o", t, store, known.get(j)) for j, t in enumerate(call.outputs)
-            ]
+            tensors += [self._tensor("o", t, store, known.get(j)) for j, t in enumerate(call.outputs)]
             event["dur_ns"] = time.monotonic_ns() - self.t0 - event["t_ns"]
             assert self.writer is not None
             self.writer.event(event)
             self.step_colls += 1
-            if self.inflight is not None and self.inflight["seq"] == event["seq"]:
+            inflight = self.inflight
+            if inflight is not None and inflight[0] == event["seq"]:
                 self.inflight = None
         except Exception as e:
             self.fail(f"collective {call.op}", e)
