@@ -32,20 +32,15 @@ so a smoke run never overwrites a real measurement). See ``bench/README.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import re
-import resource
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,13 +49,13 @@ from typing import Any
 from benchlib import (
     EXAMPLE,
     REPO,
-    cpu_times,
     example_defaults,
+    execute,
     fmt_bytes,
     machine_info,
     portable_command,
     quantiles,
-    run_env,
+    step_lines,
 )
 from benchlib import (
     check_trace as shared_check_trace,
@@ -73,7 +68,6 @@ TARGET_RATIO = 1.03
 TARGET_TEXT = "metadata + fingerprints within 3% of the unrecorded step time"
 NOISY_FRACTION = 0.05  # other processes using more than this share of the CPUs make a run noisy
 
-STEP_RE = re.compile(r"^step (\d+) loss (\S+) lr (\S+)$")
 COLLECT_RE = re.compile(r"trace written to (.+) in ([0-9.]+)s")
 
 
@@ -190,77 +184,6 @@ def build_command(cfg: Config, run_dir: Path, train_args: list[str]) -> list[str
     ]
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """End the process this script started (and, through record's forwarding, its command)."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session, started by us
-        proc.wait()
-
-
-def execute(
-    cmd: list[str], timeout_s: float, echo: bool
-) -> tuple[int, float, float, float, float, dict[int, int], list[str], int, list[str]]:
-    """Run cmd; return (exit code, wall s, CPU s, other CPU fraction, steal fraction,
-    step -> arrival ns, losses, exit ns, stderr lines)."""
-    arrivals: dict[int, int] = {}
-    losses: list[str] = []
-    err_lines: list[str] = []
-    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    busy0, steal0 = cpu_times()
-    t0 = time.perf_counter_ns()
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    stderr = proc.stderr
-
-    def drain() -> None:
-        for raw in iter(stderr.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            err_lines.append(line)
-            if echo:
-                print(f"    ! {line}", flush=True)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    timer = threading.Timer(timeout_s, stop, args=(proc,))
-    timer.start()
-    try:
-        for raw in iter(proc.stdout.readline, b""):
-            now = time.perf_counter_ns()
-            line = raw.decode(errors="replace").rstrip("\n")
-            m = STEP_RE.match(line)
-            if m:
-                n = int(m.group(1))
-                if n in arrivals:
-                    err_lines.append(f"[bench] step {n} printed twice")
-                arrivals.setdefault(n, now)
-                losses.append(m.group(2))
-            if echo:
-                print(f"    | {line}", flush=True)
-        code = proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            stop(proc)
-    t_exit = time.perf_counter_ns()
-    reader.join(10)
-    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    busy1, steal1 = cpu_times()
-    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
-    wall = (t_exit - t0) / 1e9
-    capacity = wall * (os.cpu_count() or 1)
-    other = max(0.0, (busy1 - busy0) - cpu) / capacity
-    steal = (steal1 - steal0) / capacity
-    code = 128 - code if code < 0 else code
-    return code, wall, cpu, other, steal, arrivals, losses, t_exit, err_lines
-
-
 def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[dict[str, Any], list[str]]:
     """Check the run's trace (benchlib.check_trace); return (inspect's summary, problems)."""
     return shared_check_trace(run_dir, NPROC, steps, "all" if cfg.payloads else "none", cfg.snapshot_every)
@@ -297,8 +220,10 @@ def run_one(
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cmd = build_command(cfg, run_dir, train_args)
-    code, wall, cpu, other, steal, arrivals, losses, t_exit, err = execute(cmd, timeout_s, echo)
-    problems: list[str] = []
+    proc = execute(cmd, timeout_s, echo)
+    code, wall, cpu, other, steal = proc.code, proc.wall_s, proc.cpu_s, proc.other_cpu_frac, proc.steal_frac
+    err = [line for _, line in proc.err]
+    arrivals, losses, problems = step_lines(proc)
     if code != 0:
         problems.append(f"exit code {code}")
     # the example numbers its step lines from 0, like the trace
@@ -325,7 +250,7 @@ def run_one(
         step_median_s=statistics.median(times) if times else float("nan"),
         step_mean_s=statistics.fmean(times) if times else float("nan"),
         losses=losses,
-        after_last_step_s=(t_exit - last) / 1e9 if last else float("nan"),
+        after_last_step_s=(proc.exit_ns - last) / 1e9 if last is not None else float("nan"),
         cpu_s=cpu,
         other_cpu_frac=other,
         steal_frac=steal,
@@ -342,9 +267,9 @@ def run_one(
         if not problems:
             trace_summary, trace_problems = check_trace(run_dir, cfg, steps)
             res.trace_steps = [int(r.get("steps", -1)) for r in trace_summary.get("per_rank", [])]
-            cpu = agent_cpu_ms_per_step(run_dir, warmup)
-            if cpu is not None:
-                res.agent_cpu_ms_per_step, res.writer_cpu_ms_per_step = cpu
+            agent = agent_cpu_ms_per_step(run_dir, warmup)
+            if agent is not None:
+                res.agent_cpu_ms_per_step, res.writer_cpu_ms_per_step = agent
             problems += trace_problems
     if problems:
         tail = "\n".join(err[-40:])

@@ -39,20 +39,15 @@ never overwrites a real measurement). See ``bench/README.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import re
-import resource
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,14 +57,15 @@ from benchlib import (
     EXAMPLE,
     REPO,
     BenchError,
+    Proc,
     check_trace,
-    cpu_times,
     example_defaults,
+    execute,
     fmt_bytes,
     machine_info,
     portable_command,
     quantiles,
-    run_env,
+    step_lines,
 )
 
 RESULTS_DIR = REPO / "bench" / "results"
@@ -83,7 +79,6 @@ TINY_MODEL = ("--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-si
 TINY_ARGS = (*TINY_MODEL, "--workers", "0", "--grad-accum", "1", "--cpu")
 NOISE_RANK = 1
 
-STEP_RE = re.compile(r"^step (\d+) loss (\S+) lr (\S+)$")
 PROGRESS_RE = re.compile(
     r"^\[fsdp-replay\] rank (\d+): step (\d+)/(\d+) (verified|fast-forward) \((\d+) collectives verified\)$"
 )
@@ -121,97 +116,6 @@ def fmt_s(x: float, digits: int = 1) -> str:
 
 
 # -- running one command ---------------------------------------------------------------------------
-@dataclass
-class Proc:
-    """One finished command; line timestamps are ns since the command started."""
-
-    cmd: list[str]
-    code: int
-    wall_s: float
-    cpu_s: float
-    other_cpu_frac: float
-    steal_frac: float
-    out: list[tuple[int, str]]
-    err: list[tuple[int, str]]
-    exit_ns: int
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """End the process this script started (fsdp-replay forwards the signal to its command)."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session, started by us
-        proc.wait()
-
-
-def execute(cmd: list[str], timeout_s: float, echo: bool) -> Proc:
-    """Run cmd, timestamping every stdout and stderr line as it arrives."""
-    out: list[tuple[int, str]] = []
-    err: list[tuple[int, str]] = []
-    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    busy0, steal0 = cpu_times()
-    t0 = time.perf_counter_ns()
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-
-    def drain(stream: Any, sink: list[tuple[int, str]], mark: str) -> None:
-        for raw in iter(stream.readline, b""):
-            now = time.perf_counter_ns() - t0
-            line = raw.decode(errors="replace").rstrip("\n")
-            sink.append((now, line))
-            if echo:
-                print(f"    {mark} {line}", flush=True)
-
-    readers = [
-        threading.Thread(target=drain, args=(proc.stdout, out, "|"), daemon=True),
-        threading.Thread(target=drain, args=(proc.stderr, err, "!"), daemon=True),
-    ]
-    for r in readers:
-        r.start()
-    timer = threading.Timer(timeout_s, stop, args=(proc,))
-    timer.start()
-    try:
-        code = proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            stop(proc)
-    exit_ns = time.perf_counter_ns() - t0
-    for r in readers:
-        r.join(10)
-    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    busy1, steal1 = cpu_times()
-    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
-    wall = exit_ns / 1e9
-    capacity = wall * (os.cpu_count() or 1)
-    other = max(0.0, (busy1 - busy0) - cpu) / capacity
-    steal = (steal1 - steal0) / capacity
-    code = 128 - code if code < 0 else code
-    return Proc(cmd, code, wall, cpu, other, steal, out, err, exit_ns)
-
-
-def step_lines(proc: Proc) -> tuple[dict[int, int], list[str], list[str]]:
-    """Rank 0's ``step N loss X lr Y`` stdout lines: (step -> arrival ns, losses, problems)."""
-    arrivals: dict[int, int] = {}
-    losses: list[str] = []
-    problems: list[str] = []
-    for ns, line in proc.out:
-        m = STEP_RE.match(line)
-        if m:
-            n = int(m.group(1))
-            if n in arrivals:
-                problems.append(f"step {n} printed twice")
-            arrivals.setdefault(n, ns)
-            losses.append(m.group(2))
-    return arrivals, losses, problems
-
-
 def progress_lines(proc: Proc, rank: int) -> tuple[dict[int, int], dict[int, str], list[str]]:
     """The replay's ``[fsdp-replay] rank R: step N/M verified|fast-forward`` stderr lines:
     (step -> arrival ns, step -> state, problems)."""
