@@ -85,10 +85,19 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
             con.print(f"[red]rank {r['rank']}: non-finite values at steps {r['nonfinite_steps'][:10]}[/red]")
         cost = r.get("recording_cost")
         if cost:
+            algos = (r.get("environment") or {}).get("fingerprint_algos") or {}
+            native = algos.get("native_core")
+            how = (
+                ""
+                if native is None
+                else "; CPU fingerprints by the native core"
+                if native
+                else "; CPU fingerprints by torch (the native core was not built or was disabled)"
+            )
             con.print(
                 f"rank {r['rank']}: recording cost per step (median after step 0): "
                 f"{cost['agent_cpu_ms_per_step']:.2f} ms CPU in the agent's hooks, "
-                f"{cost['writer_cpu_ms_per_step']:.2f} ms in its writer thread"
+                f"{cost['writer_cpu_ms_per_step']:.2f} ms in its writer thread{how}"
             )
         end = r["end"] or {}
         counters = end.get("counters") or {}

@@ -19,7 +19,7 @@ from conftest import CLI, EXAMPLE, REPO, assert_same_params, child_env, record, 
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
-from fsdp_replay.trace.summary import recording_cost
+from fsdp_replay.trace.summary import rank_summary, recording_cost
 
 WORKLOADS = Path(__file__).parent / "workloads"
 SMALL = ("--steps", "6", "--layers", "2", "--d-model", "64", "--seq-len", "32")
@@ -117,6 +117,8 @@ def test_identical_payloads_are_stored_once(tmp_path: Path) -> None:
         assert end["agent_cpu_ns"] > 0 and end["writer_cpu_ns"] > 0  # the agent measures its own cost
         cost = recording_cost(rt)  # ... per step too, which inspect reports
         assert cost is not None and cost["agent_cpu_ms_per_step"] > 0 and cost["writer_cpu_ms_per_step"] >= 0
+        # the install built the native fingerprint core, and the recording used it
+        assert rank_summary(rt)["environment"]["fingerprint_algos"]["native_core"] is True
         # FSDP2 re-gathers the same parameters in backward: the agent writes those bytes once.
         assert end["blobs_deduplicated"] > 0
         assert len(set(digests[r])) < len(digests[r])

@@ -83,6 +83,7 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
             "script": meta.get("script"),
             "policy": meta.get("policy"),
             "env": meta.get("env"),
+            "fingerprint_algos": meta.get("fingerprint_algos"),
         },
     }
 
