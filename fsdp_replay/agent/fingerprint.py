@@ -222,9 +222,7 @@ def _sk64_sums(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _sk64(t: torch.Tensor) -> tuple[int, bool]:
-    got = native.sk64(t)
-    if got is not None:
-        return got[0]
+    """sk64 by torch (``fingerprint`` has tried the native core first)."""
     fast = _sk64_whole_rows(t)
     if fast is not None:
         return fast
@@ -524,21 +522,7 @@ _FLOAT_ACC = {
     torch.float32: torch.float32,
     torch.float64: torch.float64,
 }
-_PLAIN = frozenset(
-    d
-    for d in (
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        getattr(torch, "uint16", None),
-        getattr(torch, "uint32", None),
-        getattr(torch, "uint64", None),
-    )
-    if d is not None
-)
+_PLAIN = native.PLAIN_DTYPES
 
 
 class _Chunk:

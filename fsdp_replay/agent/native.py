@@ -37,16 +37,12 @@ _KINDS: dict[torch.dtype, int] = {
     torch.complex128: 4,
     torch.complex32: 1,
 }
-for _d in (
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)),
-):
-    _KINDS[_d] = 0
+# Integer and bool dtypes: no value of theirs is non-finite.
+PLAIN_DTYPES = frozenset(
+    [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+    + [getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)]
+)
+_KINDS.update(dict.fromkeys(PLAIN_DTYPES, 0))
 # float8 and other float formats are not in the table: the torch path takes them.
 
 _SLOTS = 64  # slices a call can take without allocating its output arrays

@@ -390,10 +390,8 @@ class Recorder:
             self.complete_deferred()
         op = call.op
         try:
-            if self.fault is not None:
-                self.fault.check("coll")
-            if self.writer is None:
-                self._ensure_started()
+            self._check_fault("coll")
+            self._ensure_started()
             store_in = self.payload_now and self.config.payload_inputs
             regions, late = (
                 self._input_plan(call) if not store_in and (op in REGION_OPS or op in LATE_OPS) else _NO_PLAN
@@ -427,11 +425,7 @@ class Recorder:
             self.fail(f"collective {op}", e)
             return self._program(real)
         store = self.payload_now  # for the outputs: decided at issue, even if completed later
-        t0 = time.thread_time_ns()
-        try:
-            result = real()
-        finally:
-            self.program_ns += time.thread_time_ns() - t0
+        result = self._program(real)
         try:
             for i in late:  # while the collective runs (it only reads them)
                 event["tensors"][i] = self._tensor("i", inputs[i], False)
@@ -444,7 +438,7 @@ class Recorder:
                 # Waiting here could deadlock a program that posts irecv before isend on both sides.
                 work.get_future().then(lambda _f: self._complete(call, event, regions, store))
                 return result
-            if work is not None and op in DEFERRABLE_OPS and self._deferrable(call):
+            if work is not None and self._deferrable(call):
                 # FSDP2 issues its all-gathers ahead and waits for them later (prefetch): waiting
                 # here would serialize them with compute. The outputs are taken at the wait.
                 self._deferred.append((work, call, event, regions, store))
@@ -458,11 +452,7 @@ class Recorder:
         elif work is not None:
             if self.writer is not None and self._on_gpu is not True:
                 self.writer.kick()  # the writer encodes pending events while we block in the wait
-            t0 = time.thread_time_ns()
-            try:
-                work.wait()
-            finally:
-                self.program_ns += time.thread_time_ns() - t0
+            self._program(work.wait)
         self._complete(call, event, regions, store)
         return result
 

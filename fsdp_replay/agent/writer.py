@@ -115,17 +115,16 @@ class BackgroundWriter:
         (where the training thread would wait for it) or at a poll (where it would take the GIL
         from the training thread)."""
         if len(self._events) >= min_pending:
-            with self._events_lock:
-                if self._events:
-                    self._q.put(("evs", self._events))
-                    self._events = []
+            self._put(None)
 
-    def _put(self, item: tuple[str, Any]) -> None:
+    def _put(self, item: tuple[str, Any] | None) -> None:
+        """Queue the pending events (as one batch), then ``item`` if any, in that order."""
         with self._events_lock:
             if self._events:
                 self._q.put(("evs", self._events))
                 self._events = []
-            self._q.put(item)
+            if item is not None:
+                self._q.put(item)
 
     def blob(self, ref: BlobRef, data: Any, fp: Any, nbytes: int, algo: str, ready: Any = None) -> None:
         """Enqueue payload bytes. ``data`` is a CPU tensor or bytes; ``ready`` an event to wait on."""
