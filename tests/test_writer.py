@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from fsdp_replay.agent.writer import POLL_S, BackgroundWriter, BlobRef
@@ -86,3 +87,27 @@ def test_writer_cpu_time_is_measured(tmp_path: Path) -> None:
     assert w.flush(10)
     assert w.cpu_ns() > 0
     w.close()
+
+
+def test_a_kick_hands_over_pending_events_from_its_threshold_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recorder kicks the writer as the training thread blocks in a wait: below the threshold
+    the events stay pending (no wake-up), from it on they are handed over, and written in order
+    before anything queued later."""
+    from fsdp_replay.agent import writer
+
+    monkeypatch.setattr(writer, "POLL_S", 60.0)  # no poll takes the events meanwhile
+    w, errors = _writer(tmp_path)
+    for i in range(3):
+        w.event({"type": "x", "i": i})
+    w.kick(min_pending=4)
+    assert len(w._events) == 3  # not handed over: fewer than the threshold
+    w.event({"type": "x", "i": 3})
+    w.kick(min_pending=4)
+    assert w._events == []  # handed over as one batch
+    w.event({"type": "x", "i": 4})
+    assert w.flush(10)
+    assert [r.obj["i"] for r in _records(tmp_path)] == list(range(5))
+    w.close()
+    assert errors == []
