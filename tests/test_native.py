@@ -7,8 +7,10 @@ alignment, dtype and number of slices; the agent must fall back to torch where i
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import zlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -122,7 +124,8 @@ def test_repeated_calls_with_the_same_tensors_see_their_new_bytes(native_core: s
     assert third[0][0] == ref.sk64(params[0].numpy())  # type: ignore[index]
 
 
-def test_threads_get_their_own_row_buffers(native_core: str) -> None:
+def test_threads_get_their_own_row_buffers(native_core: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "HOLD_GIL_MAX_BYTES", 0)  # every call releases the GIL: they overlap
     tensors = [torch.randn(1000 + 977 * i) for i in range(8)]
     want = [ref.sk64(t.numpy()) for t in tensors]
     bad: list[int] = []
@@ -140,6 +143,54 @@ def test_threads_get_their_own_row_buffers(native_core: str) -> None:
     for th in threads:
         th.join()
     assert bad == []
+
+
+def test_small_calls_keep_the_gil_and_large_ones_release_it(
+    native_core: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training thread's calls keep the GIL up to HOLD_GIL_MAX_BYTES (another thread taking it
+    mid-call would make the training thread wait for it afterwards); above it they release it.
+    Measured with a thread that counts while it holds the GIL: it counts during a call only if
+    the call released the GIL. Both ways give the same values."""
+    big = torch.randn(4 << 20)  # 16 MiB: about a millisecond
+    count = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    def counted_during_calls(limit: int) -> tuple[int, Any]:
+        monkeypatch.setattr(native, "HOLD_GIL_MAX_BYTES", limit)
+        least, value = None, None
+        for _ in range(7):
+            before = count[0]
+            value = native.sk64(big)
+            n = count[0] - before
+            least = n if least is None else min(least, n)
+        assert least is not None
+        return least, value
+
+    # A thread waiting for the GIL forces a switch after the switch interval; a long one keeps
+    # such switches (which can land anywhere) out of the held calls.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)
+    th = threading.Thread(target=spin, daemon=True)
+    th.start()
+    try:
+        held, held_value = counted_during_calls(1 << 40)
+        released, released_value = counted_during_calls(0)
+    finally:
+        stop.set()
+        th.join()
+        sys.setswitchinterval(interval)
+    assert held_value == released_value
+    assert held_value is not None and held_value[0] == (ref.sk64(big.numpy()), False)
+    assert released > 1000, released  # the other thread ran during every call
+    assert held < released // 10, (held, released)
+    assert native.HOLD_GIL_MAX_BYTES == 0
+    monkeypatch.undo()
+    assert 1 << 20 <= native.HOLD_GIL_MAX_BYTES < big.numel() * 4  # a step's parameters: held
 
 
 def test_it_can_be_disabled(torch_fp: str) -> None:

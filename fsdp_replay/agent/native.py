@@ -46,14 +46,35 @@ _KINDS.update(dict.fromkeys(PLAIN_DTYPES, 0))
 # float8 and other float formats are not in the table: the torch path takes them.
 
 _SLOTS = 64  # slices a call can take without allocating its output arrays
+HOLD_GIL_MAX_BYTES = 8 << 20  # calls reading more release the GIL (about 1 ms at in-process speeds)
 
 
 class _Core:
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    """The library's functions, each in two flavours: through ``ctypes.PyDLL``, which keeps the
+    GIL during the call, and through ``ctypes.CDLL``, which releases it.
+
+    The training thread calls the core in the middle of its collectives. Releasing the GIL for a
+    call of 100 us invites the writer thread to take it, and the training thread then waits for
+    the writer to give it back before it can continue (measured: about 3% of the example's CPU
+    step, ``bench/README.md``). So calls that read up to ``HOLD_GIL_MAX_BYTES`` keep the GIL;
+    longer ones release it, so that other Python threads are not held up for more than about a
+    millisecond.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, held: ctypes.PyDLL, path: Path) -> None:
         self.path = path
-        self.sk64 = lib.fsdpr_sk64
-        self.sk64.restype = ctypes.c_int
-        self.sk64.argtypes = [
+        self.sk64, self.sk64_released = (self._sk64(h) for h in (held, lib))
+        self.sk64_many, self.sk64_many_released = (self._sk64_many(h) for h in (held, lib))
+        self.crc32 = lib.fsdpr_crc32
+        self.crc32.restype = ctypes.c_uint32
+        self.crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        self.local = threading.local()
+
+    @staticmethod
+    def _sk64(lib: ctypes.CDLL) -> Any:
+        fn = lib.fsdpr_sk64
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
             ctypes.c_void_p,
             ctypes.c_size_t,
             ctypes.c_size_t,
@@ -61,13 +82,14 @@ class _Core:
             ctypes.c_void_p,
             ctypes.c_void_p,
         ]
-        self.sk64_many = lib.fsdpr_sk64_many
-        self.sk64_many.restype = ctypes.c_int
-        self.sk64_many.argtypes = [ctypes.c_size_t, *[ctypes.c_void_p] * 5]
-        self.crc32 = lib.fsdpr_crc32
-        self.crc32.restype = ctypes.c_uint32
-        self.crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        self.local = threading.local()
+        return fn
+
+    @staticmethod
+    def _sk64_many(lib: ctypes.CDLL) -> Any:
+        fn = lib.fsdpr_sk64_many
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_size_t, *[ctypes.c_void_p] * 5]
+        return fn
 
     def buffers(self, n: int) -> tuple[Any, Any]:
         if n > _SLOTS:
@@ -110,7 +132,7 @@ def _load() -> _Core | None:
                 "fsdp-replay: %s is from another version (abi %d, want %d); not used", path, abi, _ABI
             )
             return None
-        return _Core(lib, path)
+        return _Core(lib, ctypes.PyDLL(str(path)), path)
     except (OSError, AttributeError) as e:
         log.warning("fsdp-replay: cannot load %s (%s); fingerprints use torch", path, e)
         return None
@@ -150,7 +172,8 @@ def sk64(t: torch.Tensor, slices: int = 1) -> list[tuple[int, bool]] | None:
         return None
     nbytes = t.numel() * t.element_size()
     fps, nfs = c.buffers(slices + 1)
-    if c.sk64(t.data_ptr() if nbytes else None, nbytes, slices, kind, fps, nfs):
+    fn = c.sk64 if nbytes <= HOLD_GIL_MAX_BYTES else c.sk64_released
+    if fn(t.data_ptr() if nbytes else None, nbytes, slices, kind, fps, nfs):
         return None  # slices that are not whole rows, or no memory for the row sums
     return [(fps[i], bool(nfs[i])) for i in range(slices + 1)]
 
@@ -161,7 +184,7 @@ class _ManyArgs:
     training process each tensor attribute read costs microseconds, so rereading dtype, device
     and layout of every parameter each step is most of the call."""
 
-    __slots__ = ("kinds", "nbytes", "ptrs", "sizes", "take", "tensors")
+    __slots__ = ("kinds", "nbytes", "ptrs", "sizes", "take", "tensors", "total")
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -170,6 +193,7 @@ class _ManyArgs:
         self.ptrs: Any = None
         self.nbytes: Any = None
         self.kinds: Any = None
+        self.total = 0  # bytes a call reads
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         mine = self.tensors
@@ -211,12 +235,14 @@ def sk64_many(tensors: list[torch.Tensor]) -> list[tuple[int, bool] | None] | No
         args.ptrs = (ctypes.c_uint64 * k)(*ptrs)
         args.nbytes = (ctypes.c_uint64 * k)(*sizes)
         args.kinds = (ctypes.c_int32 * k)(*kinds)
+        args.total = sum(sizes)
     out: list[tuple[int, bool] | None] = [None] * len(tensors)
     k = len(args.take)
     if not k:
         return out
     fps, nfs = (ctypes.c_uint64 * k)(), (ctypes.c_uint8 * k)()
-    if c.sk64_many(k, args.ptrs, args.nbytes, args.kinds, fps, nfs):
+    fn = c.sk64_many if args.total <= HOLD_GIL_MAX_BYTES else c.sk64_many_released
+    if fn(k, args.ptrs, args.nbytes, args.kinds, fps, nfs):
         return None
     for j, i in enumerate(args.take):
         out[i] = (fps[j], bool(nfs[j]))
