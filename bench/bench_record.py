@@ -101,6 +101,11 @@ CONFIGS: tuple[Config, ...] = (
         ("--payloads", "none", "--no-sync-steps"),
         "metadata + fingerprints, without waiting for each step's records (weaker crash guarantee)",
     ),
+    Config(
+        "meta-cxx",
+        ("--payloads", "none", "--cxx-kernel"),
+        "metadata + fingerprints, the hot CPU collectives recorded by the C++ kernel (opt-in)",
+    ),
     Config("payloads", ("--payloads", "all"), "+ payloads every step"),
     Config(
         "snapshots",

@@ -44,6 +44,19 @@ def resolve_trace(path: str) -> str:
 
 
 # -- record -----------------------------------------------------------------------------------
+def _cxx_kernel() -> str:
+    """The C++ kernel's library, built first if needed; empty (with a note) where it cannot be."""
+    from fsdp_replay.agent import kernel
+
+    try:
+        if not kernel.library_path().exists():
+            print("fsdp-replay: building the C++ kernel for this torch (once)", file=sys.stderr)
+        return str(kernel.build())
+    except (kernel.KernelError, OSError) as e:
+        print(f"fsdp-replay: C++ kernel not used: {e}", file=sys.stderr)
+        return ""
+
+
 def cmd_record(args: argparse.Namespace) -> int:
     from fsdp_replay.agent.config import AgentConfig, StepSet
     from fsdp_replay.launch import agent_env, run_command
@@ -70,6 +83,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         snapshot_every=int(args.snapshot_every),
         sync_steps=not args.no_sync_steps,
         reserve_bytes=int(args.reserve_bytes),
+        cxx_kernel=_cxx_kernel() if args.cxx_kernel else "",
     )
     env = agent_env(out, config.to_env())
     print(f"fsdp-replay: recording into {out}", file=sys.stderr)
@@ -328,6 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=not _env_flag("sync_steps") if ENV_PREFIX + "SYNC_STEPS" in os.environ else False,
         help="do not wait for each step's records at the step end (faster, weaker crash guarantee)",
+    )
+    r.add_argument(
+        "--cxx-kernel",
+        action="store_true",
+        help="record the hot CPU collectives with the C++ kernel, built against the installed torch "
+        "on first use (needs gcc and g++; runs that store payloads use the Python kernels)",
     )
     r.add_argument(
         "--no-collect",

@@ -44,6 +44,19 @@ def _capabilities() -> dict[str, str | None]:
     docker = shutil.which("docker")
     ok = docker is not None and subprocess.run([docker, "info"], capture_output=True).returncode == 0
     reasons["docker"] = None if ok else "no running Docker engine"
+    try:
+        import torch
+
+        headers = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
+        missing = [c for c in ("gcc", "g++") if shutil.which(c) is None]
+        if missing:
+            reasons["cxx"] = f"no {' or '.join(missing)} on PATH"
+        else:
+            reasons["cxx"] = (
+                None if headers.is_dir() else f"torch's C++ headers are not installed ({headers})"
+            )
+    except ImportError:
+        reasons["cxx"] = "torch is not installed"
     k8s = os.environ.get("KUBECONFIG") and os.environ.get("FSDP_REPLAY_TEST_K8S") == "1"
     reasons["k8s"] = None if k8s else "opt-in: set KUBECONFIG and FSDP_REPLAY_TEST_K8S=1"
     return reasons

@@ -70,6 +70,14 @@ _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _REDUCE_OP_NAMES: dict[int, str] = {}
 
 
+def reduce_op_name(code: int) -> str:
+    """``SUM``, ``AVG``, ...: the name of a ``ReduceOp.RedOpType`` value."""
+    name = _REDUCE_OP_NAMES.get(code)
+    if name is None:
+        name = _REDUCE_OP_NAMES[code] = dist.ReduceOp.RedOpType(code).name
+    return name
+
+
 def _overload(namespace: Any, name: str) -> Any:
     packet = getattr(namespace, name, None)
     if packet is None:
@@ -150,11 +158,7 @@ class CollectiveCall:
             return None
         if isinstance(op, str):
             return op.upper()
-        code = op.op()
-        name = _REDUCE_OP_NAMES.get(code)
-        if name is None:
-            name = _REDUCE_OP_NAMES[code] = dist.ReduceOp.RedOpType(code).name
-        return name
+        return reduce_op_name(op.op())
 
     def set_outputs(self, result: Any) -> None:
         """For functional collectives: the outputs are what the op returned."""

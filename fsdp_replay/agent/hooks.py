@@ -23,6 +23,7 @@ from torch.optim import optimizer as optim_module
 from torch.utils.data import dataloader
 
 from fsdp_replay.agent.collectives import CollectiveInterceptor, Handler
+from fsdp_replay.agent.kernel import DRAIN_AT
 
 
 class Guarded:
@@ -68,6 +69,10 @@ class Hooks:
         self.interceptor = CollectiveInterceptor(self.handler, owner.fail)
         self.interceptor.install()
         self._undo.append(self.interceptor.uninstall)
+        attach = getattr(owner, "attach_kernel", None)
+        detach = attach() if attach is not None else None
+        if detach is not None:
+            self._undo.append(detach)
 
         begin = Guarded(owner, "optimizer step pre-hook")(lambda opt, _a, _k: owner.on_step_begin(opt))
         end = Guarded(owner, "optimizer step post-hook")(lambda opt, _a, _k: owner.on_step_end(opt))
@@ -129,9 +134,15 @@ class Hooks:
     def _wait(self, original: Callable[..., Any]) -> Callable[..., Any]:
         owner = self.owner
         done = Guarded(owner, "Work.wait")(owner.complete_deferred)
+        kernel = getattr(owner, "kernel", None)  # the C++ kernel's all-gathers complete here too
+        drain = Guarded(owner, "Work.wait")(getattr(owner, "drain_kernel", None) or (lambda: None))
 
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(work, *args, **kwargs)
+            if kernel is not None and owner.recording:
+                kernel.complete()
+                if kernel.done() >= DRAIN_AT:  # a program without optimizer steps: not only at exit
+                    drain()
             if owner._deferred:
                 done()
             return result

@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from fsdp_replay.agent import capture, native
-from fsdp_replay.agent.collectives import DEFERRABLE_OPS, P2P_OPS, CollectiveCall, wait_result, work_of
+from fsdp_replay.agent.collectives import (
+    DEFERRABLE_OPS,
+    P2P_OPS,
+    CollectiveCall,
+    reduce_op_name,
+    wait_result,
+    work_of,
+)
 from fsdp_replay.agent.config import AgentConfig
 from fsdp_replay.agent.fingerprint import (
     fingerprint,
@@ -34,6 +41,9 @@ from fsdp_replay.agent.fingerprint import (
     nbytes_of,
     region_of,
 )
+from fsdp_replay.agent.kernel import DTYPES as KERNEL_DTYPES
+from fsdp_replay.agent.kernel import OPS as KERNEL_OPS
+from fsdp_replay.agent.kernel import Kernel, KernelError
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.spool import SpoolWriter, rank_dir
@@ -105,8 +115,22 @@ class Fault:
                 raise RuntimeError(f"fault injected by FSDP_REPLAY_INJECT_FAULT at {where} #{self.n}")
 
 
+class _Counters:
+    """The sequence number, step and micro-step; the C++ kernel's shared state replaces it."""
+
+    __slots__ = ("micro", "seq", "step")
+
+    def __init__(self, seq: int = 0, step: int = 0, micro: int = 0) -> None:
+        self.seq, self.step, self.micro = seq, step, micro
+
+
 class Recorder:
     """One per process: the state of recording and the callbacks the hooks call."""
+
+    # Shared with the C++ kernel when it is attached: both number collectives from one counter.
+    seq = property(lambda self: self._st.seq, lambda self, v: setattr(self._st, "seq", v))
+    step = property(lambda self: self._st.step, lambda self, v: setattr(self._st, "step", v))
+    micro = property(lambda self: self._st.micro, lambda self, v: setattr(self._st, "micro", v))
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -121,9 +145,9 @@ class Recorder:
         self.writer: BackgroundWriter | None = None
         self.rank = -1
         self.t0 = time.monotonic_ns()
-        self.step = 0
-        self.micro = 0
-        self.seq = 0
+        self._st: Any = _Counters()
+        self.kernel: Kernel | None = None
+        self._kernel_pgs: dict[int, int] = {}  # process group address -> pg id
         self.step_colls = 0
         self.payload_now = 0 in config.payloads
         self.losses: list[Any] = []
@@ -169,6 +193,8 @@ class Recorder:
         rec = ref()
         if rec is not None and os.getpid() != rec.pid:
             rec.recording = False
+            if rec.kernel is not None:
+                rec.kernel.state.enabled = 0
 
     def fail(self, where: str, exc: BaseException) -> None:
         """Stop recording after an internal error: log once, count, leave the program alone."""
@@ -177,6 +203,8 @@ class Recorder:
             return
         self.failed = True
         self.recording = False
+        if self.kernel is not None:
+            self.kernel.state.enabled = 0  # its calls go to the Python kernels, which pass them through
         log.warning("fsdp-replay: internal error in %s, recording stopped: %r", where, exc)
         if self.writer is not None:
             self.writer.event(
@@ -224,6 +252,7 @@ class Recorder:
                 "fingerprint_algos": {
                     "cpu": schema.FP_SK64 if native.available() else schema.FP_ZLIB64,
                     "native_core": native.available(),
+                    "cxx_kernel": self.kernel is not None,
                     "cpu_large": schema.FP_SK64,
                     "cpu_large_min_bytes": schema.SK64_MIN_BYTES,
                     "cuda": schema.FP_LIN64,
@@ -241,6 +270,16 @@ class Recorder:
     def _stuck(self) -> dict[str, Any] | None:
         """Writer thread, when idle: the collective this rank has waited in for a while, once."""
         inflight = self.inflight
+        k = self.kernel
+        if k is not None and k.state.inflight_seq >= 0:
+            st = k.state
+            inflight = (
+                st.inflight_seq,
+                self.step,
+                KERNEL_OPS[st.inflight_op],
+                self._kernel_pgs.get(st.inflight_pg, -1),
+                st.inflight_t_ns,
+            )
         if inflight is None or self._stuck_reported:
             return None
         waited = time.monotonic_ns() - self.t0 - inflight[4]
@@ -259,13 +298,13 @@ class Recorder:
             return
         self.finished = True
         w = self.writer
-        if self._deferred:
+        if self._deferred or self.kernel is not None:
             with contextlib.suppress(Exception):
                 self.complete_deferred(force=True)
         self._write_modules(w)
         counters = w.counters.as_dict()
         counters["agent_errors"] = self.errors
-        counters["agent_cpu_ns"] = self.cpu_ns
+        counters["agent_cpu_ns"] = self.agent_cpu_ns()
         counters["writer_cpu_ns"] = w.cpu_ns()
         counters["batches"] = self.batches
         counters["snapshots"] = self.snapshots
@@ -325,6 +364,101 @@ class Recorder:
     def _record(role: str, t: torch.Tensor, fp: Any, algo: str, nf: Any, blob: Any) -> list[Any]:
         """A tensor as events store it (``schema.TENSOR_FIELDS``)."""
         return [role, dtype_name(t.dtype), list(t.shape), fp, algo, nf, blob, t.device.type]
+
+    # -- the C++ kernel -----------------------------------------------------------------------
+    def attach_kernel(self) -> Callable[[], None] | None:
+        """Let the C++ kernel (``kernel.py``) record the hot CPU collectives, where configured and
+        the policy stores no payloads; returns how to detach it, or None where it is not used."""
+        path = self.config.cxx_kernel
+        if not path:
+            return None
+        if not self.config.payloads.empty or self.config.payload_inputs:
+            log.info("fsdp-replay: the C++ kernel records no payloads; the Python kernels record this run")
+            return None
+        try:
+            k = Kernel(path)
+        except KernelError as e:
+            log.warning("fsdp-replay: C++ kernel not used (%s); the Python kernels record", e)
+            return None
+        st = k.state
+        st.t0, st.seq, st.step, st.micro = self.t0, self.seq, self.step, self.micro
+        st.fault_at = self.fault.n - 1 if self.fault is not None and self.fault.where == "kernel" else -1
+        st.failed, st.inflight_seq = 0, -1
+        try:
+            k.install()
+        except KernelError as e:
+            log.warning("fsdp-replay: C++ kernel not used (%s); the Python kernels record", e)
+            return None
+        self.kernel, self._st = k, st
+        return self.detach_kernel
+
+    def agent_cpu_ns(self) -> int:
+        """The agent's thread CPU time on the program's threads: the hooks' and the C++ kernel's."""
+        k = self.kernel
+        return self.cpu_ns + (k.state.cpu_ns if k is not None else 0)
+
+    def detach_kernel(self) -> None:
+        k = self.kernel
+        if k is None:
+            return
+        k.uninstall()
+        self._st = _Counters(k.state.seq, k.state.step, k.state.micro)
+
+    def drain_kernel(self) -> None:
+        """The C++ kernel's completed records, as events now (between step ends)."""
+        if self.kernel is not None:
+            self._drain_kernel(False)
+
+    def _drain_kernel(self, force: bool) -> None:
+        """Complete the C++ kernel's deferred all-gathers (all of them with ``force``) and turn
+        its finished records into events."""
+        k = self.kernel
+        assert k is not None
+        if force and not k.complete(True):
+            log.warning("fsdp-replay: a deferred all-gather failed at the step end: %s", k.error())
+        records = k.drain()
+        if records and self.writer is None:
+            self._ensure_started()
+        for r in records:
+            self.writer.event(self._kernel_event(r))  # type: ignore[union-attr]
+        self.step_colls += len(records)
+        if k.state.failed and not self.failed:
+            self.fail("C++ kernel", RuntimeError(k.error()))
+
+    def _kernel_event(self, r: Any) -> dict[str, Any]:
+        """The event the Python kernel would have written for this record."""
+        pg = self._kernel_pgs.get(r.pg)
+        if pg is None:
+            group = dist.ProcessGroup.unbox(torch.ops.fsdpr.pg_of(r.pg))
+            pg = self._kernel_pgs[r.pg] = self._pg(group)
+        tensors = []
+        for j in range(r.ntensors):
+            t = r.t[j]
+            tensors.append(
+                [
+                    chr(t.role),
+                    dtype_name(KERNEL_DTYPES[t.dtype]),
+                    list(t.shape[: t.ndim]),
+                    t.fp,
+                    schema.FP_SK64,
+                    bool(t.nf),
+                    schema.NO_BLOB,
+                    "cpu",
+                ]
+            )
+        return {
+            "type": schema.EV_COLLECTIVE,
+            "seq": r.seq,
+            "step": r.step,
+            "micro": r.micro,
+            "op": KERNEL_OPS[r.op],
+            "pg": pg,
+            "reduce_op": None if r.reduce_op < 0 else reduce_op_name(r.reduce_op),
+            "root": None,
+            "t_ns": r.t_ns,
+            "dur_ns": r.dur_ns,
+            "tensors": tensors,
+        }
 
     # -- collectives --------------------------------------------------------------------------
     def _pg(self, pg: dist.ProcessGroup | None) -> int:
@@ -516,6 +650,8 @@ class Recorder:
         outputs), at the next collective, and at the step end, where any still pending is waited
         for: a program that waits only from C++ is still recorded.
         """
+        if self.kernel is not None and force:
+            self._drain_kernel(True)  # the program's waits complete its all-gathers (hooks.py)
         pending, self._deferred = self._deferred, []
         for item in pending:
             work = item[0]
@@ -572,7 +708,7 @@ class Recorder:
             return
         self._check_fault("step")
         w = self._ensure_started()
-        if self._deferred:
+        if self._deferred or self.kernel is not None:
             self.complete_deferred(force=True)
         params = fingerprint_many([capture.local(p) for p in capture.optimizer_params(opt)])
         loss = host_values(torch.stack(self.losses)) if self.losses else []
@@ -585,7 +721,7 @@ class Recorder:
                 "params": [[fp, nf, algo] for fp, nf, algo in params],
                 "loss": loss,
                 "t_ns": time.monotonic_ns() - self.t0,
-                "cpu_ns": [self.cpu_ns, w.cpu_ns()],
+                "cpu_ns": [self.agent_cpu_ns(), w.cpu_ns()],
             }
         )
         if self.step == 0:

@@ -1,0 +1,226 @@
+"""The recorder's C++ kernel for the hot CPU collectives (``_kernel.cpp``): build, load, drain.
+
+Opt-in for now (``fsdp-replay record --cxx-kernel``, which builds it and sets
+``FSDP_REPLAY_CXX_KERNEL`` to the library's path). It is built against the installed torch with
+the system's C and C++ compilers, once per torch version and source, into a cache folder. Where
+it cannot be built or loaded, the Python kernels record everything, as without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV = "FSDP_REPLAY_CXX_KERNEL"
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "_kernel.cpp"
+CORE = HERE / "_fpcore.c"
+ABI = 1  # FSDPR_KERNEL_ABI of the source this module is written for
+OPS = ("_allgather_base_", "_reduce_scatter_base_", "allreduce_")
+# _kernel.cpp's dtype codes
+DTYPES = {
+    1: torch.float16,
+    2: torch.bfloat16,
+    3: torch.float32,
+    4: torch.float64,
+    5: torch.uint8,
+    6: torch.int8,
+    7: torch.int16,
+    8: torch.int32,
+    9: torch.int64,
+    10: torch.bool,
+}
+MAXDIM = 8
+DRAIN = 256  # records taken per native call
+DRAIN_AT = 32  # completed records that the program's next wait turns into events (between step ends)
+
+
+class KernelError(RuntimeError):
+    """The kernel could not be built or loaded (the message says why)."""
+
+
+class TensorRecord(ctypes.Structure):
+    _fields_ = [
+        ("shape", ctypes.c_int64 * MAXDIM),
+        ("fp", ctypes.c_uint64),
+        ("ndim", ctypes.c_int32),
+        ("role", ctypes.c_int8),
+        ("dtype", ctypes.c_int8),
+        ("nf", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8),
+    ]
+
+
+class Record(ctypes.Structure):
+    _fields_ = [
+        ("seq", ctypes.c_int64),
+        ("step", ctypes.c_int64),
+        ("micro", ctypes.c_int64),
+        ("t_ns", ctypes.c_int64),
+        ("dur_ns", ctypes.c_int64),
+        ("pg", ctypes.c_int64),
+        ("op", ctypes.c_int32),
+        ("reduce_op", ctypes.c_int32),
+        ("ntensors", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("t", TensorRecord * 4),
+    ]
+
+
+class State(ctypes.Structure):
+    """The state the kernel shares with the recorder (``fsdpr_state``)."""
+
+    _fields_ = [
+        ("seq", ctypes.c_int64),
+        ("step", ctypes.c_int64),
+        ("micro", ctypes.c_int64),
+        ("t0", ctypes.c_int64),
+        ("step_colls", ctypes.c_int64),
+        ("inflight_seq", ctypes.c_int64),
+        ("inflight_t_ns", ctypes.c_int64),
+        ("fault_at", ctypes.c_int64),
+        ("inflight_pg", ctypes.c_int64),
+        ("cpu_ns", ctypes.c_int64),
+        ("inflight_op", ctypes.c_int32),
+        ("enabled", ctypes.c_int32),
+        ("failed", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("error", ctypes.c_char * 512),
+    ]
+
+
+def _torch_dir() -> Path:
+    return Path(torch.__file__).resolve().parent
+
+
+def build_key() -> str:
+    """What the built library depends on: our sources, torch's version and C++ ABI."""
+    h = hashlib.sha256()
+    for p in (SOURCE, CORE):
+        h.update(p.read_bytes())
+    h.update(f"{torch.__version__}|{int(torch._C._GLIBCXX_USE_CXX11_ABI)}|{_torch_dir()}".encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("FSDP_REPLAY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fsdp-replay"
+    )
+    return Path(base) / "kernels"
+
+
+def library_path() -> Path:
+    return cache_dir() / build_key() / "_kernel.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """The library for the installed torch, compiled first if it is not in the cache (~10 s)."""
+    target = library_path()
+    if target.exists():
+        return target
+    cc, cxx = shutil.which("gcc") or shutil.which("cc"), shutil.which("g++") or shutil.which("c++")
+    if cc is None or cxx is None:
+        raise KernelError("no C and C++ compiler (gcc and g++) on PATH")
+    tdir = _torch_dir()
+    include = tdir / "include"
+    if not (include / "torch" / "csrc" / "distributed" / "c10d" / "Work.hpp").exists():
+        raise KernelError(f"torch's C++ headers are not installed under {include}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        core_o = Path(tmp) / "_fpcore.o"
+        out = Path(tmp) / "_kernel.so"
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        steps = [
+            [cc, "-O3", "-std=gnu11", "-fPIC", "-c", str(CORE), "-o", str(core_o)],
+            [
+                cxx,
+                "-O2",
+                "-std=c++20",
+                "-shared",
+                "-fPIC",
+                f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                f"-I{include}",
+                f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+                str(SOURCE),
+                str(core_o),
+                f"-L{tdir / 'lib'}",
+                "-lc10",
+                "-ltorch_cpu",
+                "-ltorch",
+                f"-Wl,-rpath,{tdir / 'lib'}",
+                "-o",
+                str(out),
+            ],
+        ]
+        for cmd in steps:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if verbose:
+                print(proc.stdout + proc.stderr)
+            if proc.returncode != 0:
+                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+                raise KernelError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}):\n{tail}")
+        os.replace(out, target)  # atomic: concurrent builds of the same key agree
+    return target
+
+
+class Kernel:
+    """The loaded library. ``install`` registers the kernels; ``uninstall`` removes them."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = str(path)
+        try:
+            torch.ops.load_library(path)  # registers fsdpr::pg_of
+            held = ctypes.PyDLL(path)
+            released = ctypes.CDLL(path)
+        except OSError as e:
+            raise KernelError(f"cannot load {path}: {e}") from e
+        if held.fsdpr_kernel_abi() != ABI:
+            raise KernelError(f"{path} is from another version (abi {held.fsdpr_kernel_abi()}, want {ABI})")
+        if (held.fsdpr_kernel_sizes(0), held.fsdpr_kernel_sizes(1)) != (
+            ctypes.sizeof(State),
+            ctypes.sizeof(Record),
+        ):
+            raise KernelError(f"{path}: record layout differs from kernel.py's")
+        held.fsdpr_kernel_state.restype = ctypes.c_void_p
+        self.path = path
+        self.state = State.from_address(held.fsdpr_kernel_state())
+        self._held = held
+        self._complete_waiting = released.fsdpr_kernel_complete  # may block: releases the GIL
+        self._buf = (Record * DRAIN)()
+
+    def install(self) -> None:
+        if self._held.fsdpr_kernel_install() != 0:
+            raise KernelError(self.error())
+        self.state.enabled = 1
+
+    def uninstall(self) -> None:
+        self._held.fsdpr_kernel_uninstall()
+
+    def complete(self, force: bool = False) -> bool:
+        """Complete the deferred all-gathers that are done (all, waiting, with ``force``)."""
+        fn = self._complete_waiting if force else self._held.fsdpr_kernel_complete
+        return fn(int(force)) == 0
+
+    def done(self) -> int:
+        """How many completed records wait to be drained."""
+        return int(self._held.fsdpr_kernel_done())
+
+    def drain(self) -> list[Any]:
+        """The completed records, oldest first (copies)."""
+        out: list[Any] = []
+        while True:
+            n = self._held.fsdpr_kernel_drain(self._buf, DRAIN)
+            out += [Record.from_buffer_copy(self._buf[i]) for i in range(n)]
+            if n < DRAIN:
+                return out
+
+    def error(self) -> str:
+        return self.state.error.decode(errors="replace")
