@@ -95,16 +95,20 @@ class Config:
 
 CONFIGS: tuple[Config, ...] = (
     Config("baseline", None, "unrecorded"),
-    Config("meta", ("--payloads", "none"), "metadata + fingerprints only"),
+    Config(
+        "meta",
+        ("--payloads", "none"),
+        "metadata + fingerprints only (the hot CPU collectives by the C++ kernel)",
+    ),
     Config(
         "meta-nosync",
         ("--payloads", "none", "--no-sync-steps"),
         "metadata + fingerprints, without waiting for each step's records (weaker crash guarantee)",
     ),
     Config(
-        "meta-cxx",
-        ("--payloads", "none", "--cxx-kernel"),
-        "metadata + fingerprints, the hot CPU collectives recorded by the C++ kernel (opt-in)",
+        "meta-python",
+        ("--payloads", "none", "--no-cxx-kernel"),
+        "metadata + fingerprints, every collective recorded by the Python kernels (no C++ kernel)",
     ),
     Config("payloads", ("--payloads", "all"), "+ payloads every step"),
     Config(

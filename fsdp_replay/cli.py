@@ -44,6 +44,18 @@ def resolve_trace(path: str) -> str:
 
 
 # -- record -----------------------------------------------------------------------------------
+def _wants_cxx_kernel(args: argparse.Namespace) -> bool:
+    """--cxx-kernel / --no-cxx-kernel, else FSDP_REPLAY_CXX_KERNEL=1/0, else: for runs that store
+    no payloads (the C++ kernel records none)."""
+    if args.cxx_kernel is not None:
+        return bool(args.cxx_kernel)
+    if ENV_PREFIX + "CXX_KERNEL" in os.environ:
+        return _env_flag("cxx_kernel")
+    from fsdp_replay.agent.config import StepSet
+
+    return StepSet.parse(args.payloads).empty and not args.payload_inputs
+
+
 def _cxx_kernel() -> str:
     """The C++ kernel's library, built first if needed; empty (with a note) where it cannot be."""
     from fsdp_replay.agent import kernel
@@ -83,7 +95,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         snapshot_every=int(args.snapshot_every),
         sync_steps=not args.no_sync_steps,
         reserve_bytes=int(args.reserve_bytes),
-        cxx_kernel=_cxx_kernel() if args.cxx_kernel else "",
+        cxx_kernel=_cxx_kernel() if _wants_cxx_kernel(args) else "",
     )
     env = agent_env(out, config.to_env())
     print(f"fsdp-replay: recording into {out}", file=sys.stderr)
@@ -345,9 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--cxx-kernel",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="record the hot CPU collectives with the C++ kernel, built against the installed torch "
-        "on first use (needs gcc and g++; runs that store payloads use the Python kernels)",
+        "on first use (needs gcc and g++); default: on with --payloads none, whose runs it can "
+        "record, off otherwise (env FSDP_REPLAY_CXX_KERNEL=1/0)",
     )
     r.add_argument(
         "--no-collect",

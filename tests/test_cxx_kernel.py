@@ -1,5 +1,5 @@
-"""The C++ kernel for the hot CPU collectives (``fsdp_replay/agent/_kernel.cpp``, opt-in with
-``record --cxx-kernel``): it writes the same events as the Python kernels, leaves the program's
+"""The C++ kernel for the hot CPU collectives (``fsdp_replay/agent/_kernel.cpp``; ``record`` uses
+it for runs that store no payloads): it writes the same events as the Python kernels, leaves the program's
 results alone, hands what it does not take to the Python kernels, and stops recording cleanly on
 its own errors."""
 
@@ -69,8 +69,8 @@ def used_kernel(rt: RankTrace) -> bool:
 
 @pytest.mark.slow
 def test_it_records_what_the_python_kernels_record(tmp_path: Path, built: Path) -> None:
-    py, _ = record(tmp_path, 2, *SMALL, record_args=("--payloads", "none"), name="py")
-    cxx, _ = record(tmp_path, 2, *SMALL, record_args=("--payloads", "none", "--cxx-kernel"), name="cxx")
+    py, _ = record(tmp_path, 2, *SMALL, record_args=("--payloads", "none", "--no-cxx-kernel"), name="py")
+    cxx, _ = record(tmp_path, 2, *SMALL, record_args=("--payloads", "none"), name="cxx")  # its default
     a, b = Trace.open(py / "trace.zarr"), Trace.open(cxx / "trace.zarr")
     for r in (0, 1):
         assert not used_kernel(a.rank(r)) and used_kernel(b.rank(r))
@@ -92,7 +92,7 @@ def test_it_records_what_the_python_kernels_record(tmp_path: Path, built: Path) 
 
 @pytest.mark.slow
 def test_an_internal_error_in_it_stops_recording_and_spares_the_program(tmp_path: Path, built: Path) -> None:
-    plain, _ = record(tmp_path, 2, *SMALL, record_args=("--payloads", "none"), name="py")
+    plain, _ = record(tmp_path, 2, *SMALL, record_args=("--payloads", "none", "--no-cxx-kernel"), name="py")
     out, proc = record(
         tmp_path,
         2,

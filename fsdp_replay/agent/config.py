@@ -155,7 +155,7 @@ class AgentConfig:
             sync_steps=_bool(env, "SYNC_STEPS", True),
             max_pending_bytes=_int(env, "MAX_PENDING_BYTES", 1 << 30, minimum=1),
             reserve_bytes=_int(env, "RESERVE_BYTES", 16 << 20),
-            cxx_kernel=env.get(ENV_PREFIX + "CXX_KERNEL", ""),
+            cxx_kernel=env.get(ENV_PREFIX + "CXX_KERNEL_LIB", ""),
             inject_fault=env.get(ENV_PREFIX + "INJECT_FAULT", ""),
             trace=env.get(ENV_PREFIX + "TRACE", ""),
             rank=_int(env, "RANK", 0),
@@ -187,5 +187,5 @@ class AgentConfig:
             ENV_PREFIX + "SYNC_STEPS": "1" if self.sync_steps else "0",
             ENV_PREFIX + "MAX_PENDING_BYTES": str(self.max_pending_bytes),
             ENV_PREFIX + "RESERVE_BYTES": str(self.reserve_bytes),
-            **({ENV_PREFIX + "CXX_KERNEL": self.cxx_kernel} if self.cxx_kernel else {}),
+            **({ENV_PREFIX + "CXX_KERNEL_LIB": self.cxx_kernel} if self.cxx_kernel else {}),
         }

@@ -1,9 +1,10 @@
 """The recorder's C++ kernel for the hot CPU collectives (``_kernel.cpp``): build, load, drain.
 
-Opt-in for now (``fsdp-replay record --cxx-kernel``, which builds it and sets
-``FSDP_REPLAY_CXX_KERNEL`` to the library's path). It is built against the installed torch with
-the system's C and C++ compilers, once per torch version and source, into a cache folder. Where
-it cannot be built or loaded, the Python kernels record everything, as without it.
+``fsdp-replay record`` uses it for runs that store no payloads (``--payloads none``; or with
+``--cxx-kernel``): it builds the library and passes its path to the ranks in
+``FSDP_REPLAY_CXX_KERNEL_LIB``. It is built against the installed torch with the system's C and
+C++ compilers, once per torch version and source, into a cache folder. Where it cannot be built
+or loaded, the Python kernels record everything, as without it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-ENV = "FSDP_REPLAY_CXX_KERNEL"
+ENV = "FSDP_REPLAY_CXX_KERNEL_LIB"
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "_kernel.cpp"
 CORE = HERE / "_fpcore.c"
