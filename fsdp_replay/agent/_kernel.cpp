@@ -133,6 +133,14 @@ int64_t thread_ns() {
 
 size_t nbytes(const at::Tensor &t) { return (size_t)t.numel() * t.element_size(); }
 
+// FSDP frees unsharded parameters with untyped_storage().resize_(0): a tensor whose storage no
+// longer holds its bytes must not be read (recording stops instead of the process crashing).
+void check_storage(const at::Tensor &t) {
+  size_t need = ((size_t)t.storage_offset() + (size_t)t.numel()) * t.element_size();
+  if (t.numel() && (!t.data_ptr() || !t.has_storage() || t.storage().nbytes() < need))
+    throw std::runtime_error("a tensor's storage was freed before it was fingerprinted");
+}
+
 void describe(fsdpr_tensor &r, const at::Tensor &t, char role) {
   int kind;
   codes(t.scalar_type(), &r.dtype, &kind);
@@ -142,6 +150,7 @@ void describe(fsdpr_tensor &r, const at::Tensor &t, char role) {
 }
 
 void fingerprint(fsdpr_tensor &r, const at::Tensor &t, char role) {
+  check_storage(t);
   describe(r, t, role);
   int8_t d;
   int kind;
@@ -158,6 +167,7 @@ void fingerprint(fsdpr_tensor &r, const at::Tensor &t, char role) {
 // Output at t[1], and the input at t[0] when it lies inside the output, from one pass where the
 // input is one of the output's equal slices of whole rows (the all-gather case); else apart.
 void fingerprint_all_gather(Pending &p) {
+  check_storage(p.out);
   size_t n_out = nbytes(p.out), n_in = nbytes(p.in);
   if (p.in_region && n_in && n_out % n_in == 0) {
     size_t off = (const char *)p.in.data_ptr() - (const char *)p.out.data_ptr();

@@ -49,6 +49,16 @@ _SLOTS = 64  # slices a call can take without allocating its output arrays
 HOLD_GIL_MAX_BYTES = 8 << 20  # calls reading more release the GIL (about 1 ms at in-process speeds)
 
 
+class FreedStorageError(RuntimeError):
+    """A tensor whose storage was freed (``untyped_storage().resize_(0)``, as FSDP does with
+    unsharded parameters) before it was fingerprinted: reading it would crash the process."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__(
+            f"a {tuple(t.shape)} {t.dtype} tensor's storage was freed before it was fingerprinted"
+        )
+
+
 class _Core:
     """The library's functions, each in two flavours: through ``ctypes.PyDLL``, which keeps the
     GIL during the call, and through ``ctypes.CDLL``, which releases it.
@@ -171,9 +181,12 @@ def sk64(t: torch.Tensor, slices: int = 1) -> list[tuple[int, bool]] | None:
     if kind is None:
         return None
     nbytes = t.numel() * t.element_size()
+    ptr = t.data_ptr()
+    if nbytes and not ptr:
+        raise FreedStorageError(t)
     fps, nfs = c.buffers(slices + 1)
     fn = c.sk64 if nbytes <= HOLD_GIL_MAX_BYTES else c.sk64_released
-    if fn(t.data_ptr() if nbytes else None, nbytes, slices, kind, fps, nfs):
+    if fn(ptr if nbytes else None, nbytes, slices, kind, fps, nfs):
         return None  # slices that are not whole rows, or no memory for the row sums
     return [(fps[i], bool(nfs[i])) for i in range(slices + 1)]
 
@@ -225,6 +238,8 @@ def sk64_many(tensors: list[torch.Tensor]) -> list[tuple[int, bool] | None] | No
             if kind is None or t.device.type != "cpu" or not t.is_contiguous():
                 continue
             n = t.numel() * t.element_size()
+            if n and not t.data_ptr():
+                raise FreedStorageError(t)
             args.take.append(i)
             args.sizes.append((t.data_ptr(), t.numel(), t.dtype))
             ptrs.append(t.data_ptr() if n else 0)
