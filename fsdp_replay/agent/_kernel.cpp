@@ -39,7 +39,6 @@ struct fsdpr_state {
   int64_t step;
   int64_t micro;
   int64_t t0;          // the recorder's time origin (CLOCK_MONOTONIC, ns)
-  int64_t step_colls;  // collectives this kernel completed in the current step
   int64_t inflight_seq;  // the collective issued and not completed, or -1
   int64_t inflight_t_ns;
   int64_t fault_at;  // tests: an internal error at this sequence number, or -1
@@ -81,7 +80,7 @@ namespace {
 
 enum Op { ALL_GATHER = 0, REDUCE_SCATTER = 1, ALL_REDUCE = 2 };
 
-fsdpr_state state = {0, 0, 0, 0, 0, -1, 0, -1, 0, 0, 0, 0, 0, 0, {0}};
+fsdpr_state state = {0, 0, 0, 0, -1, 0, -1, 0, 0, 0, 0, 0, 0, {0}};
 std::mutex mu;  // records, groups; the kernel runs on whichever thread issues the collective
 std::vector<fsdpr_record> done;
 std::unordered_map<int64_t, c10::intrusive_ptr<c10d::ProcessGroup>> groups;
@@ -101,28 +100,29 @@ int64_t now_ns() {
   return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec - state.t0;
 }
 
-// Our dtype code and the native core's element kind; false for dtypes the kernel leaves to Python.
-bool codes(at::ScalarType st, int8_t *dtype, int *kind) {
+// Our dtype code (kernel.py: DTYPES), or 0 for dtypes the kernel leaves to Python.
+int8_t dtype_code(at::ScalarType st) {
   switch (st) {
-    case at::kHalf: *dtype = 1; *kind = 1; return true;
-    case at::kBFloat16: *dtype = 2; *kind = 2; return true;
-    case at::kFloat: *dtype = 3; *kind = 3; return true;
-    case at::kDouble: *dtype = 4; *kind = 4; return true;
-    case at::kByte: *dtype = 5; *kind = 0; return true;
-    case at::kChar: *dtype = 6; *kind = 0; return true;
-    case at::kShort: *dtype = 7; *kind = 0; return true;
-    case at::kInt: *dtype = 8; *kind = 0; return true;
-    case at::kLong: *dtype = 9; *kind = 0; return true;
-    case at::kBool: *dtype = 10; *kind = 0; return true;
-    default: return false;
+    case at::kHalf: return 1;
+    case at::kBFloat16: return 2;
+    case at::kFloat: return 3;
+    case at::kDouble: return 4;
+    case at::kByte: return 5;
+    case at::kChar: return 6;
+    case at::kShort: return 7;
+    case at::kInt: return 8;
+    case at::kLong: return 9;
+    case at::kBool: return 10;
+    default: return 0;
   }
 }
 
+// The native core's element kind for a dtype code: the floats' 1-4 are the core's own; integers 0.
+int kind_of(int8_t code) { return code <= 4 ? code : 0; }
+
 bool plain(const at::Tensor &t) {
-  int8_t d;
-  int k;
   return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() &&
-         t.dim() <= FSDPR_MAXDIM && codes(t.scalar_type(), &d, &k);
+         t.dim() <= FSDPR_MAXDIM && dtype_code(t.scalar_type()) != 0;
 }
 
 int64_t thread_ns() {
@@ -141,20 +141,18 @@ void check_storage(const at::Tensor &t) {
     throw std::runtime_error("a tensor's storage was freed before it was fingerprinted");
 }
 
-void describe(fsdpr_tensor &r, const at::Tensor &t, char role) {
-  int kind;
-  codes(t.scalar_type(), &r.dtype, &kind);
+// Role, dtype and shape; returns the native core's element kind.
+int describe(fsdpr_tensor &r, const at::Tensor &t, char role) {
+  r.dtype = dtype_code(t.scalar_type());
   r.role = role;
   r.ndim = (int32_t)t.dim();
   for (int i = 0; i < r.ndim; ++i) r.shape[i] = t.size(i);
+  return kind_of(r.dtype);
 }
 
 void fingerprint(fsdpr_tensor &r, const at::Tensor &t, char role) {
   check_storage(t);
-  describe(r, t, role);
-  int8_t d;
-  int kind;
-  codes(t.scalar_type(), &d, &kind);
+  int kind = describe(r, t, role);
   size_t n = nbytes(t);
   uint64_t fps[2];
   uint8_t nfs[2];
@@ -175,15 +173,12 @@ void fingerprint_all_gather(Pending &p) {
     if (off % n_in == 0) {
       std::vector<uint64_t> fps(slices + 1);
       std::vector<uint8_t> nfs(slices + 1);
-      int8_t d;
-      int kind;
-      codes(p.out.scalar_type(), &d, &kind);
+      int kind = describe(p.rec.t[1], p.out, 'o');
       if (fsdpr_sk64(p.out.data_ptr(), n_out, slices, kind, fps.data(), nfs.data()) == 0) {
         size_t mine = 1 + off / n_in;
         describe(p.rec.t[0], p.in, 'i');
         p.rec.t[0].fp = fps[mine];
         p.rec.t[0].nf = nfs[mine];
-        describe(p.rec.t[1], p.out, 'o');
         p.rec.t[1].fp = fps[0];
         p.rec.t[1].nf = nfs[0];
         return;
@@ -198,7 +193,6 @@ void finish(fsdpr_record &rec) {
   rec.dur_ns = now_ns() - rec.t_ns;
   std::lock_guard<std::mutex> g(mu);
   done.push_back(rec);
-  state.step_colls += 1;
   if (state.inflight_seq == rec.seq) state.inflight_seq = -1;
 }
 
@@ -391,12 +385,14 @@ void fsdpr_kernel_uninstall(void) {
   state.enabled = 0;
 }
 
-// Complete the deferred all-gathers whose work is done (all of them with force, waiting). 0, or
-// -1 when a wait raised the program's own error (its message in state.error; recording stops).
+// Complete the deferred all-gathers whose work is done (all of them with force, waiting). Returns
+// how many completed records wait to be drained, or -1 when a wait raised the program's own error
+// (its message in state.error; recording stops).
 int fsdpr_kernel_complete(int force) {
   try {
     complete(force != 0);
-    return 0;
+    std::lock_guard<std::mutex> g(mu);
+    return (int)done.size();
   } catch (const std::exception &e) {
     fail("waiting for an all-gather", e.what());
     return -1;
@@ -412,16 +408,6 @@ int fsdpr_kernel_drain(fsdpr_record *out, int cap) {
     done.erase(done.begin(), done.begin() + n);
   }
   return n;
-}
-
-int fsdpr_kernel_done(void) {
-  std::lock_guard<std::mutex> g(mu);
-  return (int)done.size();
-}
-
-int fsdpr_kernel_pending(void) {
-  std::lock_guard<std::mutex> g(mu);
-  return (int)pending.size();
 }
 }
 

@@ -135,14 +135,13 @@ class Hooks:
         owner = self.owner
         done = Guarded(owner, "Work.wait")(owner.complete_deferred)
         kernel = getattr(owner, "kernel", None)  # the C++ kernel's all-gathers complete here too
-        drain = Guarded(owner, "Work.wait")(getattr(owner, "drain_kernel", None) or (lambda: None))
+        drain = Guarded(owner, "Work.wait")(owner.drain_kernel) if kernel is not None else None
 
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(work, *args, **kwargs)
-            if kernel is not None and owner.recording:
-                kernel.complete()
-                if kernel.done() >= DRAIN_AT:  # a program without optimizer steps: not only at exit
-                    drain()
+            # completes the kernel's all-gathers; a program without optimizer steps drains here too
+            if kernel is not None and owner.recording and kernel.complete() >= DRAIN_AT:
+                drain()  # type: ignore[misc]
             if owner._deferred:
                 done()
             return result

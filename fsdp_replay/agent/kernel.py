@@ -84,7 +84,6 @@ class State(ctypes.Structure):
         ("step", ctypes.c_int64),
         ("micro", ctypes.c_int64),
         ("t0", ctypes.c_int64),
-        ("step_colls", ctypes.c_int64),
         ("inflight_seq", ctypes.c_int64),
         ("inflight_t_ns", ctypes.c_int64),
         ("fault_at", ctypes.c_int64),
@@ -205,14 +204,11 @@ class Kernel:
     def uninstall(self) -> None:
         self._held.fsdpr_kernel_uninstall()
 
-    def complete(self, force: bool = False) -> bool:
-        """Complete the deferred all-gathers that are done (all, waiting, with ``force``)."""
+    def complete(self, force: bool = False) -> int:
+        """Complete the deferred all-gathers that are done (all, waiting, with ``force``); returns
+        how many completed records wait to be drained, or -1 when a wait failed (``error()``)."""
         fn = self._complete_waiting if force else self._held.fsdpr_kernel_complete
-        return fn(int(force)) == 0
-
-    def done(self) -> int:
-        """How many completed records wait to be drained."""
-        return int(self._held.fsdpr_kernel_done())
+        return int(fn(int(force)))
 
     def drain(self) -> list[Any]:
         """The completed records, oldest first (copies)."""

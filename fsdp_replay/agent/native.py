@@ -237,12 +237,12 @@ def sk64_many(tensors: list[torch.Tensor]) -> list[tuple[int, bool] | None] | No
             kind = _KINDS.get(t.dtype)
             if kind is None or t.device.type != "cpu" or not t.is_contiguous():
                 continue
-            n = t.numel() * t.element_size()
-            if n and not t.data_ptr():
+            n, ptr = t.numel() * t.element_size(), t.data_ptr()
+            if n and not ptr:
                 raise FreedStorageError(t)
             args.take.append(i)
-            args.sizes.append((t.data_ptr(), t.numel(), t.dtype))
-            ptrs.append(t.data_ptr() if n else 0)
+            args.sizes.append((ptr, t.numel(), t.dtype))
+            ptrs.append(ptr if n else 0)
             sizes.append(n)
             kinds.append(kind)
         k = len(ptrs)

@@ -404,23 +404,19 @@ class Recorder:
         k.uninstall()
         self._st = _Counters(k.state.seq, k.state.step, k.state.micro)
 
-    def drain_kernel(self) -> None:
-        """The C++ kernel's completed records, as events now (between step ends)."""
-        if self.kernel is not None:
-            self._drain_kernel(False)
-
-    def _drain_kernel(self, force: bool) -> None:
-        """Complete the C++ kernel's deferred all-gathers (all of them with ``force``) and turn
-        its finished records into events."""
+    def drain_kernel(self, force: bool = False) -> None:
+        """Turn the C++ kernel's finished records into events, after completing all its deferred
+        all-gathers with ``force`` (the step end); between step ends the program's waits complete
+        them (hooks.py)."""
         k = self.kernel
         assert k is not None
-        if force and not k.complete(True):
+        if force and k.complete(True) < 0:
             log.warning("fsdp-replay: a deferred all-gather failed at the step end: %s", k.error())
         records = k.drain()
-        if records and self.writer is None:
-            self._ensure_started()
-        for r in records:
-            self.writer.event(self._kernel_event(r))  # type: ignore[union-attr]
+        if records:
+            w = self._ensure_started()
+            for r in records:
+                w.event(self._kernel_event(r))
         self.step_colls += len(records)
         if k.state.failed and not self.failed:
             self.fail("C++ kernel", RuntimeError(k.error()))
@@ -651,7 +647,7 @@ class Recorder:
         for: a program that waits only from C++ is still recorded.
         """
         if self.kernel is not None and force:
-            self._drain_kernel(True)  # the program's waits complete its all-gathers (hooks.py)
+            self.drain_kernel(force=True)
         pending, self._deferred = self._deferred, []
         for item in pending:
             work = item[0]
