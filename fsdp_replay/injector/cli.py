@@ -1,0 +1,187 @@
+"""``fsdp-replay webhook`` and ``fsdp-replay inject``: the injector's commands.
+
+Every option is a flag and an ``FSDP_REPLAY_INJECTOR_*`` variable, wired by one helper from the
+fields of :class:`InjectorConfig` (their docstrings are the help texts). A flag given on the command
+line is written over the environment and the config is read by ``InjectorConfig.from_env``: one
+parser, and flags override the environment.
+
+``register(subparsers)`` plugs both commands into the main CLI; ``main(argv)`` runs them alone
+(``python -m fsdp_replay.injector.cli``). Exit codes as the main CLI's: 0 success, 2 usage error,
+3 unusable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, fields
+from typing import Any
+
+from fsdp_replay.errors import ConfigError
+from fsdp_replay.injector.config import InjectorConfig, env_name, field_docs, parse_bool
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+SERVER_ONLY = frozenset({"tls_cert_file", "tls_key_file", "listen_address", "port", "log_level"})
+_DEST = "config_"  # argparse dest prefix of the config fields
+
+
+def add_env_option(
+    parser: argparse.ArgumentParser, name: str, *, kind: str, help: str, default: object = None
+) -> None:
+    """``--name`` for option ``name``, also read from ``FSDP_REPLAY_INJECTOR_NAME`` (the flag wins).
+
+    The flag's value stays None when not given, so the environment (or the default) applies.
+    """
+    text = f"{help} (env {env_name(name)}" + ("" if default in (None, "") else f"; default {default}") + ")"
+    flag = "--" + name.replace("_", "-")
+    if kind == "bool":
+        parser.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=None, dest=_DEST + name, help=text
+        )
+    else:
+        parser.add_argument(
+            flag,
+            type=int if kind == "int" else str,
+            default=None,
+            dest=_DEST + name,
+            metavar=name.upper(),
+            help=text,
+        )
+
+
+def add_config_options(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    docs = field_docs(InjectorConfig)
+    for f in fields(InjectorConfig):
+        if f.name in SERVER_ONLY and not server:
+            continue
+        default = f.default if f.default is not MISSING else None
+        add_env_option(parser, f.name, kind=str(f.type), help=docs.get(f.name, ""), default=default)
+
+
+def option_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with every option given as a flag written over it, under its variable's name."""
+    env = dict(environ)
+    for key, value in vars(args).items():
+        if key.startswith(_DEST) and value is not None:
+            name = key.removeprefix(_DEST)
+            env[env_name(name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return env
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> InjectorConfig:
+    return InjectorConfig.from_env(option_env(args, os.environ if environ is None else environ))
+
+
+def cmd_webhook(args: argparse.Namespace) -> int:
+    from fsdp_replay.injector.server import serve
+
+    config = config_from_args(args)
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    return serve(config)
+
+
+def cmd_inject(args: argparse.Namespace) -> int:
+    from fsdp_replay.injector.mutate import mutate_template
+
+    env = option_env(args, os.environ)
+    config = InjectorConfig.from_env(env)
+    raw = env.get(env_name("namespace_default"), "")
+    namespace_default = parse_bool("namespace_default", raw) if raw else False
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(
+            "inject reads and writes YAML: install PyYAML (pip install 'fsdp-replay[injector]')"
+        ) from None
+    source = "<stdin>" if args.filename == "-" else args.filename
+    try:
+        text = sys.stdin.read() if args.filename == "-" else _read(args.filename)
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except OSError as e:
+        print(f"fsdp-replay: cannot read {source}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except yaml.YAMLError as e:
+        print(f"fsdp-replay: {source} is not YAML: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    out: list[Any] = []
+    for document in documents:
+        injected, warnings = mutate_template(document, config, namespace_default=namespace_default)
+        for warning in warnings:
+            print(warning, file=sys.stderr)
+        if injected != document:
+            meta = document.get("metadata") or {}
+            print(f"fsdp-replay: injected {document.get('kind')}/{meta.get('name', '?')}", file=sys.stderr)
+        out.append(injected)
+    yaml.dump_all(out, sys.stdout, Dumper=_dumper(yaml), sort_keys=False, default_flow_style=False)
+    return EXIT_OK
+
+
+def _dumper(yaml: Any) -> Any:
+    """A safe dumper that writes repeated objects out in full: no &anchors in a manifest for review."""
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    return Dumper
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def register(subparsers: Any) -> None:
+    """Add ``webhook`` and ``inject`` to the CLI's subparsers."""
+    w = subparsers.add_parser(
+        "webhook",
+        help="serve the Kubernetes mutating admission webhook (HTTPS) that injects recording into pods",
+        description="Serve POST /mutate and /mutate/namespace-default (AdmissionReview v1), GET /healthz "
+        "and /readyz. It fails open: every error admits the pod unchanged, with a warning.",
+    )
+    add_config_options(w, server=True)
+    w.set_defaults(func=cmd_webhook)
+
+    i = subparsers.add_parser(
+        "inject",
+        help="print manifests with recording injected, as the webhook would (for GitOps and review)",
+        description="Read YAML (several documents, Lists; Pods, Deployments, StatefulSets, DaemonSets, Jobs, "
+        "CronJobs, PyTorchJobs, MPIJobs, JobSets) and print it with every annotated pod template "
+        "injected. Other documents are printed unchanged; warnings go to stderr.",
+    )
+    i.add_argument("-f", "--filename", required=True, help="the manifest file, or - for stdin")
+    add_env_option(
+        i,
+        "namespace_default",
+        kind="bool",
+        help="inject pods without the record annotation too, as in a namespace labelled "
+        "<prefix>/record=enabled",
+    )
+    add_config_options(i, server=False)
+    i.set_defaults(func=cmd_inject)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp-replay", description="the fsdp-replay injector")
+    register(parser.add_subparsers(dest="cmd", required=True))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as e:
+        print(f"fsdp-replay: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

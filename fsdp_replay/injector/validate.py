@@ -1,0 +1,102 @@
+"""The grammar of every value that ends up in a pod spec, checked before it gets there.
+
+The webhook fails open, but a patch that makes the pod invalid does not: the API server would reject
+the pod, and the user's job would not start. So every value that comes from an annotation or from
+the injector's configuration is checked here first, and a bad one is dropped with a warning.
+
+The step grammar (``none | all | steps:0-3,10,20-``) is the agent's (``fsdp_replay.agent.config.StepSet``);
+the injector must not import the agent, so it is restated here, and ``tests/injector`` checks that
+both accept the same specs.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+_STEP_PART = re.compile(r"\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?")
+# RFC 1123 subdomain (Secret names, annotation prefixes) and label (container, port names).
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_KUBE_VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.\d+)?(?:[-+].*)?")
+# Kubernetes resource.Quantity: a decimal number and a binary (Ki..Ei), decimal (m, k..E) or exponent suffix.
+_QUANTITY = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?\d+)?")
+_SUFFIX_FACTORS = {
+    "": Decimal(1),
+    "m": Decimal("0.001"),
+    **{s: Decimal(1000) ** (i + 1) for i, s in enumerate("kMGTPE")},
+    **{s + "i": Decimal(1024) ** (i + 1) for i, s in enumerate("KMGTPE")},
+}
+
+
+def step_spec_error(spec: str) -> str | None:
+    """Why ``spec`` is not ``none``, ``all`` or ``steps:SPEC`` (or a bare SPEC), or None when it is."""
+    spec = spec.strip()
+    if spec in ("", "none", "all"):
+        return None
+    body = spec.removeprefix("steps:")
+    for part in body.split(","):
+        m = _STEP_PART.fullmatch(part)
+        if not m:
+            return f"{spec!r} is not none, all, or steps:0-3,10,20-"
+        if m.group(2) is not None and m.group(3) and int(m.group(3)) < int(m.group(1)):
+            return f"step range {part.strip()!r} in {spec!r} ends before it starts"
+    return None
+
+
+def cupti_spec_error(spec: str) -> str | None:
+    """Why ``spec`` is not a CUPTI window (``off``, ``always`` or ``steps:SPEC``), or None when it is."""
+    spec = spec.strip()
+    if spec in ("off", "always"):
+        return None
+    if not spec.startswith("steps:"):
+        return f"{spec!r} is not off, always, or steps:SPEC"
+    return step_spec_error(spec)
+
+
+def is_dns_subdomain(name: str) -> bool:
+    """A valid Secret name or annotation prefix (RFC 1123 subdomain, at most 253 characters)."""
+    return len(name) <= 253 and _DNS_SUBDOMAIN.fullmatch(name) is not None
+
+
+def is_dns_label(name: str) -> bool:
+    """A valid container name (RFC 1123 label, at most 63 characters)."""
+    return len(name) <= 63 and _DNS_LABEL.fullmatch(name) is not None
+
+
+def kube_minor(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a version such as ``1.29``, ``v1.30.2`` or ``v1.28.5-eks-1234``; None if unparsable."""
+    m = _KUBE_VERSION.fullmatch(version.strip())
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def parse_quantity(text: object) -> Decimal | None:
+    """The value of a Kubernetes quantity (``100m`` -> 0.1, ``1Gi`` -> 1073741824), or None if it is not one.
+
+    YAML written by hand often says ``cpu: 2``, so numbers are accepted as well as strings.
+    """
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        return None
+    m = _QUANTITY.fullmatch(str(text).strip())
+    if not m:
+        return None
+    suffix = m.group(2) or ""
+    try:
+        number = Decimal(m.group(1))
+        if suffix[:1] in ("e", "E"):
+            return number * Decimal(10) ** int(suffix[1:])
+        return number * _SUFFIX_FACTORS[suffix]
+    except (InvalidOperation, KeyError):
+        return None
+
+
+def int_error(text: str, *, minimum: int = 0, maximum: int | None = None) -> str | None:
+    """Why ``text`` is not an integer in ``[minimum, maximum]``, or None when it is."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        return f"{text!r} is not an integer"
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = "" if maximum is None else f" and <= {maximum}"
+        return f"{value} must be >= {minimum}{upper}"
+    return None
