@@ -1,4 +1,6 @@
-"""The one command line: ``fsdp-replay record | collect | inspect | replay | diff | nan | desync``.
+"""Record a training job, build its trace, replay one rank, analyse it, inject recording into pods.
+
+Subcommands: ``record | collect | inspect | replay | diff | nan | desync | webhook | inject``.
 
 Every option is also an environment variable (``FSDP_REPLAY_<OPTION>``), so a pod spec can
 configure it without arguments. Exit codes: 0 success, 1 divergence found, 2 usage error,
@@ -17,12 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_replay import __version__
-from fsdp_replay.errors import ConfigError, FsdpReplayError, TraceFormatError, TraceNotFoundError
+from fsdp_replay.errors import (
+    ConfigError,
+    ExitCode,
+    FsdpReplayError,
+    TraceFormatError,
+    TraceNotFoundError,
+)
+from fsdp_replay.trace.layout import REPORT_JSON, REPORT_TXT, RUN_JSON, atomic_write
 
-EXIT_OK = 0
-EXIT_DIVERGED = 1
-EXIT_USAGE = 2
-EXIT_BAD_INPUT = 3
+EXIT_OK = ExitCode.OK
+EXIT_DIVERGED = ExitCode.FOUND
+EXIT_USAGE = ExitCode.USAGE
+EXIT_BAD_INPUT = ExitCode.UNUSABLE
 ENV_PREFIX = "FSDP_REPLAY_"
 
 
@@ -38,8 +47,11 @@ def resolve_trace(path: str) -> str:
     """A run folder (holding trace.zarr) or the trace itself."""
     from fsdp_replay.trace import schema
 
-    if "://" not in path and (Path(path) / schema.TRACE_DIR).is_dir():
-        return str(Path(path) / schema.TRACE_DIR)
+    inner = Path(path) / schema.TRACE_DIR
+    if "://" not in path and inner.is_dir():
+        return str(inner)
+    if "://" not in path and inner.exists():
+        raise TraceFormatError("not a trace: a file where the trace folder should be", path=str(inner))
     return path
 
 
@@ -113,7 +125,21 @@ def cmd_record(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return code if code else EXIT_BAD_INPUT
-    report = _collect(out, run)
+    try:
+        report = _collect(out, run)
+    except OSError as e:
+        # The recording itself is whole in the spools: say where the trace could not be written
+        # and how to write it elsewhere; the command's own exit code stays the exit code.
+        where = e.filename or (out / schema.TRACE_DIR)
+        print(
+            f"fsdp-replay: could not write the trace ({e.strerror or e}: {where}); every record is kept "
+            f"in {spool_dir}. Build the trace elsewhere with: fsdp-replay collect {out} --trace OTHER",
+            file=sys.stderr,
+        )
+        return code
+    except TraceFormatError as e:
+        print(f"fsdp-replay: the recording could not be collected: {e}", file=sys.stderr)
+        return code
     _print_collect(report)
     if not report.damaged and not args.keep_spool:
         import shutil
@@ -130,13 +156,10 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 def _write_run(out: Path, run: dict[str, Any]) -> None:
     """run.json, atomically; on a full disk, say so and go on (the spools matter more)."""
-    tmp = out / "run.json.tmp"
     try:
-        tmp.write_text(json.dumps(run, indent=2) + "\n")
-        tmp.replace(out / "run.json")
+        atomic_write(out / RUN_JSON, json.dumps(run, indent=2) + "\n")
     except OSError as e:
-        print(f"fsdp-replay: could not write {out / 'run.json'}: {e.strerror}", file=sys.stderr)
-        tmp.unlink(missing_ok=True)
+        print(f"fsdp-replay: could not write {out / RUN_JSON}: {e.strerror}", file=sys.stderr)
 
 
 def _collect(
@@ -145,9 +168,18 @@ def _collect(
     from fsdp_replay.trace import schema
     from fsdp_replay.trace.collect import collect
 
-    if run is None and (out / "run.json").is_file():
-        run = json.loads((out / "run.json").read_text())
-    return collect(out / schema.SPOOL_DIR, trace or out / schema.TRACE_DIR, run=run, strict=strict)
+    if run is None and (out / RUN_JSON).is_file():
+        try:
+            run = json.loads((out / RUN_JSON).read_text())
+        except ValueError as e:
+            print(f"fsdp-replay: ignoring an unreadable {out / RUN_JSON}: {e}", file=sys.stderr)
+    return collect(
+        out / schema.SPOOL_DIR,
+        trace or out / schema.TRACE_DIR,
+        run=run,
+        strict=strict,
+        on_wait=lambda msg: print(f"fsdp-replay: {msg}", file=sys.stderr),
+    )
 
 
 def _print_collect(report: Any) -> None:
@@ -158,8 +190,17 @@ def _print_collect(report: Any) -> None:
             f"{r.blobs_written} blobs written ({r.blob_bytes / 1e6:.1f} MB), {r.blobs_shared} shared; {status}",
             file=sys.stderr,
         )
+        if r.error is not None:
+            print(f"  rank {r.rank}: NOT COLLECTED: {r.error}", file=sys.stderr)
+            continue
         for d in r.damage:
             print(f"  rank {r.rank}: DAMAGED spool, skipped: {d}", file=sys.stderr)
+        c = r.completeness
+        if c and not c.get("complete"):
+            print(
+                f"  rank {r.rank}: record complete through step {c['through_step']}: {'; '.join(c['reasons'])}",
+                file=sys.stderr,
+            )
         if r.payload_missing:
             print(
                 f"  rank {r.rank}: {r.payload_missing} payloads referenced but not stored (dropped)",
@@ -188,7 +229,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from fsdp_replay.trace.summary import summarize
 
     trace = Trace.open(resolve_trace(args.trace))
-    summary = summarize(trace, [args.rank] if args.rank is not None else None)
+    ranks = [args.rank] if args.rank is not None else None
+    summary = summarize(trace, ranks)
+    if args.verify:
+        from fsdp_replay.trace.scrub import scrub
+
+        checked = scrub(trace, ranks)
+        summary["verify"] = {
+            "arrays": checked.arrays,
+            "blobs": checked.blobs,
+            "blob_bytes": checked.blob_bytes,
+            "problems": checked.problems,
+        }
     if args.json:
         json.dump(summary, sys.stdout, indent=2, default=str)
         print()
@@ -196,6 +248,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from fsdp_replay.render import print_summary
 
         print_summary(summary, verbose=args.verbose)
+    if args.verify:
+        v = summary["verify"]
+        for problem in v["problems"]:
+            print(f"fsdp-replay: DAMAGED: {problem}", file=sys.stderr)
+        print(
+            f"fsdp-replay: verified {v['arrays']} arrays and {v['blobs']} blobs ({v['blob_bytes'] / 1e6:.1f} MB): "
+            + (f"{len(v['problems'])} damaged" if v["problems"] else "every one matches"),
+            file=sys.stderr,
+        )
+        if v["problems"]:
+            return EXIT_BAD_INPUT
     return EXIT_OK
 
 
@@ -225,7 +288,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         report=str(out.absolute()),
         live=args.all_ranks,
     )
-    env = launch.replay_env(meta, args.rank, world, args.device)
+    notes: list[str] = []
+    env = launch.replay_env(meta, args.rank, world, args.device, notes)
+    for n in notes:
+        print(f"fsdp-replay: note: {n}", file=sys.stderr)
     if args.all_ranks:
         if override:
             raise ConfigError(
@@ -243,11 +309,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     code, _info = run_command(command, env, cwd=cwd)
     if args.all_ranks:
-        return _finish_all_ranks(out, world, code)
-    return _finish_report(out, out / "report.json", code)
+        return _finish_all_ranks(out, world, code, notes)
+    return _finish_report(out / REPORT_JSON, code, notes)
 
 
-def _finish_report(out: Path, report_path: Path, code: int) -> int:
+def _finish_report(report_path: Path, code: int, notes: list[str]) -> int:
     from fsdp_replay.replayer.report import plot, render_text
 
     if not report_path.is_file():
@@ -259,8 +325,10 @@ def _finish_report(out: Path, report_path: Path, code: int) -> int:
         return EXIT_BAD_INPUT
     report = json.loads(report_path.read_text())
     report["program_exit_code"] = code
+    report["notes"] = [*notes, *report.get("notes", [])]
+    atomic_write(report_path, json.dumps(report, indent=2, default=str) + "\n")
     text = render_text(report)
-    (report_path.parent / "report.txt").write_text(text)
+    atomic_write(report_path.parent / REPORT_TXT, text)
     plotted = plot(report, report_path.parent / "replay.png")
     print(text, end="")
     print(
@@ -270,12 +338,13 @@ def _finish_report(out: Path, report_path: Path, code: int) -> int:
     return {"bit-exact": EXIT_OK, "diverged": EXIT_DIVERGED}.get(str(report.get("status")), EXIT_BAD_INPUT)
 
 
-def _finish_all_ranks(out: Path, world: int, code: int) -> int:
+def _finish_all_ranks(out: Path, world: int, code: int, notes: list[str]) -> int:
     from fsdp_replay.replayer.report import merge_reports
+    from fsdp_replay.trace.layout import RANK_REPORT_FMT
 
     reports = []
     for rank in range(world):
-        path = out / f"rank-{rank:05d}" / "report.json"
+        path = out / RANK_REPORT_FMT.format(rank=rank) / REPORT_JSON
         if path.is_file():
             reports.append(json.loads(path.read_text()))
         else:
@@ -283,9 +352,9 @@ def _finish_all_ranks(out: Path, world: int, code: int) -> int:
                 f"fsdp-replay: rank {rank} wrote no report (the run exited with code {code})", file=sys.stderr
             )
     merged = merge_reports(reports, world)
-    (out / "report.json").write_text(json.dumps(merged, indent=2, default=str) + "\n")
+    atomic_write(out / REPORT_JSON, json.dumps(merged, indent=2, default=str) + "\n")
     results = [
-        _finish_report(out / f"rank-{r['rank']:05d}", out / f"rank-{r['rank']:05d}" / "report.json", code)
+        _finish_report(out / RANK_REPORT_FMT.format(rank=r["rank"]) / REPORT_JSON, code, notes)
         for r in reports
     ]
     print(
@@ -428,14 +497,21 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(func=cmd_replay)
 
     from fsdp_replay.cli_analysis import register
+    from fsdp_replay.injector.cli import register as register_injector
 
     register(sub)
+    register_injector(sub)
 
     i = sub.add_parser("inspect", help="summarize a trace")
     i.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
     i.add_argument("--rank", type=int, default=None, help="only this rank")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("-v", "--verbose", action="store_true", help="also show environment details")
+    i.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every array and payload blob and check it against the trace's digests (exit 3 if any is damaged)",
+    )
     i.set_defaults(func=cmd_inspect)
     return p
 
@@ -449,12 +525,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command = command
+    # Exit codes by error class (docs/exit-codes.md). Anything else is a bug and keeps its traceback.
     try:
         return int(args.func(args))
-    except (ConfigError, ValueError) as e:
-        if isinstance(e, TraceFormatError):
-            print(f"fsdp-replay: unusable trace: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+    except ConfigError as e:
         print(f"fsdp-replay: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (TraceNotFoundError, TraceFormatError) as e:

@@ -58,19 +58,19 @@ def _dash(x: Any) -> str:
 
 # -- nan ---------------------------------------------------------------------------------------
 def cmd_nan(args: argparse.Namespace) -> int:
-    from fsdp_replay.replayer.analysis import nonfinite_origin
+    from fsdp_replay.replayer.analysis import describe_nonfinite, nonfinite_origin, record_notes
 
     trace = _open(args.trace)
     origin = nonfinite_origin(trace)
+    notes = record_notes(trace)
     if args.json:
-        _dump({"trace": trace.url, "found": origin is not None, "origin": origin})
+        _dump({"trace": trace.url, "found": origin is not None, "origin": origin, "notes": notes})
         return EXIT_FOUND if origin else EXIT_OK
     con = _console()
     if origin is None:
         con.print(f"[green]no non-finite value[/green] in {_e(trace.url)} (ranks {_e(trace.ranks)})")
+        _print_notes(con, notes)
         return EXIT_OK
-    from fsdp_replay.replayer.analysis import describe_nonfinite
-
     con.print(f"[bold red]{_e(origin['message'])}[/bold red]")
     con.print(f"cause: {_e(origin['cause'])}")
     con.print("first non-finite event per rank:")
@@ -78,7 +78,13 @@ def cmd_nan(args: argparse.Namespace) -> int:
         ev = row["event"]
         text = "[green]stayed finite[/green]" if ev is None else _e(describe_nonfinite(ev))
         con.print(f"  rank {row['rank']}: {text}")
+    _print_notes(con, notes)
     return EXIT_FOUND
+
+
+def _print_notes(con: Any, notes: list[str]) -> None:
+    for n in notes:
+        con.print(f"[yellow]note: {_e(n)}[/yellow]")
 
 
 # -- desync ------------------------------------------------------------------------------------
@@ -120,6 +126,9 @@ def cmd_desync(args: argparse.Namespace) -> int:
     others = [g for g in rep["groups"] if g["mismatch"] and g["mismatch"] is not rep["first_mismatch"]]
     for g in others:
         con.print(f"also: {_e(g['mismatch']['message'])}")
+    for u in rep["unrecorded"]:
+        con.print(f"[yellow]not a disagreement: {_e(u['message'])}[/yellow]")
+    _print_notes(con, rep["notes"])
     return EXIT_OK if rep["consistent"] else EXIT_FOUND
 
 

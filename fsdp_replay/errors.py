@@ -6,6 +6,17 @@ Each error also subclasses the builtin a caller would expect (zarr-python's habi
 
 from __future__ import annotations
 
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """What every command's exit code means (``docs/exit-codes.md``)."""
+
+    OK = 0  # success; a replay that is bit-exact; an analysis that found nothing
+    FOUND = 1  # a replay that diverged; an analysis that found a NaN, a desync, a difference
+    USAGE = 2  # a bad option or environment variable
+    UNUSABLE = 3  # the input cannot be used: missing, damaged, foreign, incomplete, or refused
+
 
 class FsdpReplayError(Exception):
     """Root of every error fsdp-replay raises deliberately."""
@@ -33,6 +44,11 @@ class TraceFormatError(FsdpReplayError, ValueError):
 
 class TraceVersionError(TraceFormatError):
     """The trace was written by a format version this build cannot read."""
+
+
+class TraceIncompleteError(TraceFormatError):
+    """The trace is readable but does not hold what was asked for: the record of a rank ends
+    (a kill, an agent error, damage) before the steps a replay or analysis needs."""
 
 
 class ReplayMismatchError(FsdpReplayError, RuntimeError):

@@ -11,28 +11,27 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import fsdp_replay
+from fsdp_replay.boot.pythonpath import PACKAGE_DIR, SITE_DIR
+from fsdp_replay.boot.pythonpath import agent_pythonpath as _pythonpath_rule
+from fsdp_replay.watchdog import DONE
 
-BOOT_DIR = Path(fsdp_replay.__file__).parent / "agent" / "boot"
-PACKAGE_DIR = Path(fsdp_replay.__file__).parent
 AGENT_PATH_DIR = ".agent-path"
 
 
 def agent_pythonpath(run_dir: Path, existing: str | None) -> str:
+    """The rule of ``boot.pythonpath``, with a run-folder link standing for the package folder."""
     link_root = run_dir / AGENT_PATH_DIR
     link_root.mkdir(parents=True, exist_ok=True)
     link = link_root / "fsdp_replay"
     if not link.exists():
         link.symlink_to(PACKAGE_DIR, target_is_directory=True)
-    parts = [str(BOOT_DIR), str(link_root)]
-    if existing:
-        parts.append(existing)
-    return os.pathsep.join(parts)
+    return _pythonpath_rule(str(SITE_DIR), str(link_root), existing)
 
 
 def agent_env(
@@ -49,13 +48,22 @@ def run_command(
 ) -> tuple[int, dict[str, Any]]:
     """Run ``command`` in its own process group; forward SIGINT/SIGTERM; return (exit code, info).
 
-    The exit code follows the shell's convention (128 + N when killed by signal N).
+    The exit code follows the shell's convention (128 + N when killed by signal N). A watchdog
+    (``fsdp_replay.watchdog``) stops the command's whole process tree if this process dies first.
     """
     t0 = time.time()
+    watchdog = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_replay.watchdog"], stdin=subprocess.PIPE, start_new_session=True
+    )
+    assert watchdog.stdin is not None
     try:
         proc = subprocess.Popen(list(command), env=dict(env), cwd=cwd, start_new_session=True)
     except FileNotFoundError:
+        watchdog.stdin.close()
+        watchdog.wait()
         return 127, {"error": f"command not found: {command[0]}", "start": t0, "end": time.time()}
+    watchdog.stdin.write(f"{proc.pid}\n".encode())
+    watchdog.stdin.flush()
     forwarded: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
@@ -69,5 +77,9 @@ def run_command(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        with contextlib.suppress(OSError):  # the job ended: the watchdog has nothing to do
+            watchdog.stdin.write(DONE)
+            watchdog.stdin.close()
+        watchdog.wait()
     code = 128 - rc if rc < 0 else rc
     return code, {"start": t0, "end": time.time(), "returncode": rc, "signals_forwarded": forwarded}

@@ -1,4 +1,4 @@
-"""Shared fixtures: run the example under torchrun, recorded or not, and capability markers.
+"""Capability markers and the fingerprint-implementation fixtures (process helpers: harness.py).
 
 Markers skip only where the capability is missing, with the reason: ``gpu`` (a CUDA device),
 ``ebpf`` (root and the bcc bindings), ``docker`` (a running engine), ``k8s`` (opt-in: KUBECONFIG
@@ -11,19 +11,10 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "train_fsdp.py"
-BIN = Path(sys.executable).parent
-TORCHRUN = str(BIN / "torchrun")
-CLI = [sys.executable, "-m", "fsdp_replay"]
-RUN_TIMEOUT_S = 300
 
 
 def _capabilities() -> dict[str, str | None]:
@@ -38,7 +29,10 @@ def _capabilities() -> dict[str, str | None]:
     if os.geteuid() != 0:
         reasons["ebpf"] = "needs root"
     elif importlib.util.find_spec("bcc") is None:
-        reasons["ebpf"] = "the bcc Python bindings (Debian python3-bpfcc) are not importable"
+        reasons["ebpf"] = (
+            "the bcc Python bindings (Debian python3-bpfcc) are not importable: "
+            "scripts/install-ebpf.sh .venv installs them (make test does, as root)"
+        )
     else:
         reasons["ebpf"] = None
     docker = shutil.which("docker")
@@ -68,89 +62,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, reason in caps.items():
             if reason is not None and marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=f"{marker}: {reason}"))
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_REPLAY_")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    env.update(extra)
-    return env
-
-
-def run(
-    cmd: Sequence[str],
-    *,
-    env: dict[str, str] | None = None,
-    timeout: float = RUN_TIMEOUT_S,
-    check: bool = True,
-    cwd: Path | None = None,
-) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        list(cmd), env=env or child_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-            f"\n--- stderr\n{proc.stderr[-6000:]}"
-        )
-    return proc
-
-
-def torchrun_cmd(nproc: int, script: Path | str, *args: str) -> list[str]:
-    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
-
-
-def train(tmp: Path, nproc: int = 2, *args: str, **env: str) -> Path:
-    """Run the example unrecorded; returns the folder with params-<rank>.pt."""
-    out = tmp / "plain"
-    run(
-        torchrun_cmd(nproc, EXAMPLE, "--save-params", str(out / "params-{rank}.pt"), *args),
-        env=child_env(**env),
-    )
-    return out
-
-
-def record(
-    tmp: Path,
-    nproc: int = 2,
-    *args: str,
-    record_args: Sequence[str] = (),
-    name: str = "rec",
-    check: bool = True,
-    **env: str,
-) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """Record the example; returns (run folder, process). Params go to RUN/params-<rank>.pt."""
-    out = tmp / name
-    proc = run(
-        [
-            *CLI,
-            "record",
-            "--out",
-            str(out),
-            *record_args,
-            "--",
-            *torchrun_cmd(nproc, EXAMPLE, "--save-params", str(out / "params-{rank}.pt"), *args),
-        ],
-        env=child_env(**env),
-        check=check,
-    )
-    return out, proc
-
-
-def load_params(folder: Path, rank: int) -> dict[str, Any]:
-    import torch
-
-    return torch.load(folder / f"params-{rank}.pt", map_location="cpu")
-
-
-def assert_same_params(a: Path, b: Path, nproc: int) -> None:
-    import torch
-
-    for r in range(nproc):
-        pa, pb = load_params(a, r), load_params(b, r)
-        assert pa.keys() == pb.keys()
-        for k in pa:
-            assert torch.equal(pa[k], pb[k]), f"rank {r} parameter {k} differs"
 
 
 def _use_fp_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> Any:

@@ -14,7 +14,7 @@ from unittest.mock import patch
 
 import numpy as np
 import pytest
-from conftest import CLI, EXAMPLE, REPO, child_env, record, torchrun_cmd
+from harness import CLI, EXAMPLE, REPO, child_env, record, torchrun_cmd
 
 from fsdp_replay.cli_analysis import _jsonable, register
 from fsdp_replay.replayer.analysis import desync_report, nonfinite_origin

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from harness import CLI, assert_same_params, record, run
 
 from fsdp_replay.agent import kernel
 from fsdp_replay.trace.reader import RankTrace, Trace
-from tests.conftest import CLI, assert_same_params, record, run
 
 pytestmark = pytest.mark.cxx
 SMALL = ("--steps", "4", "--layers", "2", "--d-model", "64", "--seq-len", "32")

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CLI, EXAMPLE, assert_same_params, child_env, run, torchrun_cmd
+from harness import CLI, EXAMPLE, assert_same_params, child_env, run, torchrun_cmd
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace

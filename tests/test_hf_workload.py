@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import CLI, assert_same_params, child_env, run, torchrun_cmd
+from harness import CLI, assert_same_params, child_env, run, torchrun_cmd
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import CLI, EXAMPLE, REPO, assert_same_params, child_env, record, run, torchrun_cmd, train
+from harness import CLI, EXAMPLE, REPO, assert_same_params, child_env, record, run, torchrun_cmd, train
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace

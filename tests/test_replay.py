@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import zarr
-from conftest import CLI, EXAMPLE, REPO, record, run
+from harness import CLI, EXAMPLE, REPO, record, run
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
@@ -72,7 +72,7 @@ def test_a_different_script_world_size_or_torch_refuses_to_start(tmp_path: Path)
     script = tmp_path / "train.py"
     shutil.copy(EXAMPLE, script)
     out = tmp_path / "rec"
-    from conftest import child_env, torchrun_cmd
+    from harness import child_env, torchrun_cmd
 
     run(
         [*CLI, "record", "--out", str(out), "--", *torchrun_cmd(2, script, "--steps", "2", *SMALL)],

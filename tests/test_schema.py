@@ -24,8 +24,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_replay"
 
 # -- pins -------------------------------------------------------------------------------------
 def test_format_version() -> None:
-    assert schema.FORMAT_VERSION == 2
-    assert frozenset({1, 2}) == schema.READABLE_VERSIONS
+    assert schema.FORMAT_VERSION == 3
+    assert frozenset({1, 2, 3}) == schema.READABLE_VERSIONS
     assert schema.FORMAT_VERSION in schema.READABLE_VERSIONS
 
 
@@ -75,6 +75,7 @@ def test_event_keys_pinned() -> None:
         "agent_error": {"type", "where", "message", "traceback"},
         "drop": {"type", "what", "count", "nbytes", "reason"},
         "stuck": {"type", "seq", "step", "op", "pg", "t_ns", "waited_ns"},
+        "alive": {"type", "seq", "step", "t_ns"},
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
     }
     assert {k: set(v) for k, v in schema.EVENT_KEYS.items()} == expected
@@ -83,8 +84,10 @@ def test_event_keys_pinned() -> None:
 def test_optional_event_keys_pinned() -> None:
     assert {k: set(v) for k, v in schema.OPTIONAL_EVENT_KEYS.items()} == {
         "coll": {"extra", "async"},
-        "end": {"inflight"},
+        "end": {"inflight", "exception"},
         "step": {"cpu_ns"},
+        "agent_error": {"step", "seq"},
+        "rank_start": {"t0_wall_ns"},
     }
     for ev, keys in schema.OPTIONAL_EVENT_KEYS.items():
         assert ev in schema.EVENT_KEYS
@@ -268,7 +271,8 @@ def test_rank_start_keys_match_process_info() -> None:
     (literal,) = [keys for ev, keys, _, _ in _recorder_event_dicts() if ev == schema.EV_RANK_START]
     # rank_start = literal keys + process_info() + "script" (added on the writer thread)
     written = literal | set(capture.process_info(0, 1, 0)) | {"script"}
-    assert written == schema.EVENT_KEYS[schema.EV_RANK_START]
+    optional = schema.OPTIONAL_EVENT_KEYS[schema.EV_RANK_START]
+    assert written - optional == schema.EVENT_KEYS[schema.EV_RANK_START]
 
 
 # -- layering ---------------------------------------------------------------------------------

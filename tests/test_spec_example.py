@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import Path
 
-from conftest import REPO, record
+from harness import REPO, record
 
 
 def test_the_trace_format_example_runs_as_written(tmp_path: Path) -> None:

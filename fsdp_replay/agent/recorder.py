@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -97,6 +98,13 @@ def encode_structure(x: Any, tensors: list[torch.Tensor]) -> Any:
     if x is None or isinstance(x, bool | int | float | str):
         return {"v": x}
     return {"o": repr(x)[:200]}
+
+
+def _uncaught_exception() -> str | None:
+    """The exception the program is dying of, when ``finish`` runs at exit after one: Python
+    stores it in ``sys.last_exc``/``sys.last_value`` before printing it and running atexit."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return None if exc is None else repr(exc)[:500]
 
 
 class Fault:
@@ -213,6 +221,8 @@ class Recorder:
                     "where": where,
                     "message": repr(exc),
                     "traceback": "".join(traceback.format_exception(exc))[-4000:],
+                    "step": self.step,
+                    "seq": self.seq,
                 }
             )
 
@@ -236,7 +246,7 @@ class Recorder:
                 rank,
                 reserve_bytes=self.config.reserve_bytes,
             )
-            writer = BackgroundWriter(spool, self.fail, self._stuck)
+            writer = BackgroundWriter(spool, self.fail, self._on_idle)
             info = capture.process_info(rank, world, int(os.environ.get("LOCAL_RANK", 0)))
             start = {
                 "type": schema.EV_RANK_START,
@@ -249,6 +259,7 @@ class Recorder:
                     "sync_steps": self.config.sync_steps,
                 },
                 "start_ns": time.time_ns(),
+                "t0_wall_ns": time.time_ns() - (time.monotonic_ns() - self.t0),
                 "fingerprint_algos": {
                     "cpu": schema.FP_SK64 if native.available() else schema.FP_ZLIB64,
                     "native_core": native.available(),
@@ -267,8 +278,23 @@ class Recorder:
             self.writer = writer
             return writer
 
+    def _on_idle(self) -> dict[str, Any] | None:
+        """Writer thread, about once a second while it has nothing to write: the collective this
+        rank has waited in for a while (once), else an ``alive`` mark of how far the rank got."""
+        if self.failed:
+            return None  # recording stopped: an `alive` mark would claim a record that is not kept
+        stuck = self._stuck()
+        if stuck is not None:
+            return stuck
+        return {
+            "type": schema.EV_ALIVE,
+            "seq": self.seq,
+            "step": self.step,
+            "t_ns": time.monotonic_ns() - self.t0,
+        }
+
     def _stuck(self) -> dict[str, Any] | None:
-        """Writer thread, when idle: the collective this rank has waited in for a while, once."""
+        """The collective this rank has waited in for a while, once."""
         inflight = self.inflight
         k = self.kernel
         if k is not None and k.state.inflight_seq >= 0:
@@ -317,6 +343,7 @@ class Recorder:
                 "t_ns": time.monotonic_ns() - self.t0,
                 "counters": counters,
                 "inflight": None if self.inflight is None else self._inflight_dict(self.inflight),
+                "exception": _uncaught_exception(),
             }
         )
         w.flush(FLUSH_TIMEOUT_S)

@@ -11,10 +11,11 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import sys
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
 _state: dict[str, Any] = {}  # the one attached agent of this process (tests reach it here)
@@ -47,13 +48,51 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.callback(module)
 
 
+EXIT_BAD_INPUT = 3
+
+
+def refuse_replay(why: str, report_dir: str | None = None, rank: int | None = None) -> NoReturn:
+    """End a process that was asked to replay and cannot: never run the program for real.
+
+    A replayed program that went on without the agent would run as a real rank, joining whatever
+    rendezvous its environment names (in a cluster, possibly a live job's). Writes the report
+    (status ``unusable``) when the report folder is known, says why on stderr, exits with 3.
+    """
+    sys.stderr.write(f"fsdp-replay: cannot replay: {why}\n")
+    if report_dir:
+        try:
+            import json
+            from pathlib import Path
+
+            from fsdp_replay.trace.layout import REPORT_JSON, atomic_write
+
+            out = Path(report_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write(out / REPORT_JSON, json.dumps({"status": "unusable", "reason": why, "rank": rank}))
+        except Exception as e:  # the exit below matters more than the report
+            sys.stderr.write(f"fsdp-replay: could not write the replay report: {e!r}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_BAD_INPUT)
+
+
+def _describe(e: BaseException) -> str:
+    """One line for a failure to attach: our errors name their file; anything else is a bug."""
+    from fsdp_replay.errors import FsdpReplayError
+
+    return str(e) if isinstance(e, FsdpReplayError) else f"internal error: {e!r}"
+
+
 def activate() -> None:
-    """Called by sitecustomize when FSDP_REPLAY_MODE is set. Never raises."""
+    """Called by sitecustomize when FSDP_REPLAY_MODE is set. In record mode it never raises and
+    never stops the program; in replay mode any failure to attach ends the process (exit 3)."""
+    replaying = os.environ.get("FSDP_REPLAY_MODE") == "replay"
     try:
         from fsdp_replay.agent.config import AgentConfig
 
         config = AgentConfig.from_env()
     except Exception as e:  # a bad option must not stop the program from starting
+        if replaying:
+            refuse_replay(f"bad replay settings: {_describe(e)}", os.environ.get("FSDP_REPLAY_REPORT"))
         log.warning("fsdp-replay: agent disabled: %s", e)
         return
     if not config.enabled:
@@ -88,20 +127,18 @@ def attach(config: Any) -> Any:
             atexit.register(agent.finish)
             _state.update(agent=agent, hooks=hooks)
             return agent
-        if config.mode == "replay":
-            import os
-
-            if config.live and "RANK" not in os.environ:
-                return None  # torchrun's launcher in an all-rank replay: only its workers replay
+    except Exception as e:
+        log.warning("fsdp-replay: agent failed to attach, the program runs unrecorded: %r", e)
+        return None
+    if config.mode == "replay":
+        if config.live and "RANK" not in os.environ:
+            return None  # torchrun's launcher in an all-rank replay: only its workers replay
+        try:
             from fsdp_replay.replayer.agent import attach_replay
 
             agent = attach_replay(config)
-            _state.update(agent=agent)
-            return agent
-    except Exception as e:
-        log.warning("fsdp-replay: agent failed to attach, the program runs unrecorded: %r", e)
+        except Exception as e:
+            refuse_replay(_describe(e), config.report, config.rank)
+        _state.update(agent=agent)
+        return agent
     return None
-
-
-def current() -> Any:
-    return _state.get("agent")

@@ -28,12 +28,13 @@ import torch.distributed as dist
 
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import CollectiveCall, wait_result
-from fsdp_replay.agent.config import AgentConfig
+from fsdp_replay.agent.config import AgentConfig, StepSet
 from fsdp_replay.agent.fingerprint import Pending, fingerprint, fingerprint_many
 from fsdp_replay.agent.hooks import Hooks
-from fsdp_replay.errors import FsdpReplayError
+from fsdp_replay.errors import ConfigError, FsdpReplayError, TraceIncompleteError
 from fsdp_replay.replayer.expected import ExpectedColl, ExpectedTensor, RankRecord
 from fsdp_replay.replayer.report import Divergence, magnitude
+from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
 from fsdp_replay.trace.reader import Trace
 
 log = logging.getLogger(__name__)
@@ -71,11 +72,42 @@ class Replayer:
         self.live = config.live
         # All-rank replay runs under torchrun: each process replays the rank torchrun gave it.
         self.rank = int(os.environ.get("RANK", config.rank)) if self.live else config.rank
+        self.notes: list[str] = []
         self.trace = Trace.open(config.trace)
         self.rec = RankRecord(self.trace, self.rank)
         self.world = self.rec.world_size
         self.from_step = config.from_step
         self.to_step = config.to_step
+        # Verdicts are made only over steps whose records are all in the trace.
+        # Verdicts are made only over what the record holds (trace/completeness.py). A record
+        # that lost something stops the replay after its last whole step (``record_ends``); one
+        # that only ends early (a kill) is replayed until the program needs a record past its end.
+        self.complete = self.rec.completeness
+        self.record_ends: int | None = None
+        self.truncated = not self.complete["complete"]
+        if self.truncated and not self.complete["prefix"]:
+            self.record_ends = int(self.complete["through_step"])
+        if self.live:  # every live rank must stop at the same step, or its peers would wait for it
+            for r in self.trace.ranks:
+                other = self.trace.rank(r).completeness
+                if not other["complete"]:
+                    end = int(other["through_step"])
+                    if self.record_ends is None or end < self.record_ends:
+                        self.record_ends = end
+                        self.complete = {**other, "reasons": [f"rank {r}: {x}" for x in other["reasons"]]}
+        last = int(self.complete["through_step"]) + (0 if self.record_ends is not None else 1)
+        if self.truncated and self.from_step > last:
+            raise TraceIncompleteError(
+                f"rank {self.rank}'s record is complete only through step {self.complete['through_step']} "
+                f"({'; '.join(self.complete['reasons'])}): nothing to verify from step {self.from_step}",
+                path=self.rec.rank_trace.where,
+            )
+        damage = self.rec.attrs.get("damage") or []
+        if damage:
+            self.notes.append(
+                f"the spool of rank {self.rank} was damaged when collected ({len(damage)} places, first: "
+                f"{damage[0]}); what the replay verifies is what survived"
+            )
         snap = self.rec.snapshot_at_or_before(self.from_step) if self.from_step > 0 else None
         self.restore_step = int(snap["step"]) if snap else 0
         self.snapshot = snap
@@ -89,7 +121,6 @@ class Replayer:
         self.colls_per_step: dict[int, int] = {}
         self.primary: Any = None
         self.divergences: list[Divergence] = []
-        self.notes: list[str] = []
         self.data_differences = 0
         self.stopping = False
         self.finished = False
@@ -114,6 +145,10 @@ class Replayer:
         if self.failed:
             return
         self.failed = True
+        if isinstance(exc, FsdpReplayError):  # damaged or missing input: the message names it
+            sys.stderr.write(f"fsdp-replay: cannot go on replaying ({where}): {exc}\n")
+            self.finish("unusable", EXIT_BAD_INPUT, reason=f"{where}: {exc}")
+            return
         log.error(
             "fsdp-replay: replay failed in %s: %s", where, "".join(traceback.format_exception(exc))[-3000:]
         )
@@ -240,6 +275,8 @@ class Replayer:
         verify = self.verifying()
         if verify and not self._threads_checked:
             self._check_threads()
+        if exp is None and self.truncated:
+            self._record_ended(f"before collective #{seq} ({call.op})")
         if exp is None:
             result = real()
             if verify:
@@ -420,9 +457,7 @@ class Replayer:
                         seq=exp.seq,
                         op=exp.op,
                         pg=exp.pg,
-                        detail=f"the trace holds no payload for step {exp.step}: an isolated replay "
-                        f"of steps {self.restore_step}.. needs the payloads of those steps (record "
-                        f"with --payloads all or steps:{self.restore_step}-...)",
+                        detail=self._missing_payload_hint(exp.step),
                     ),
                     stop=True,
                     unusable=True,
@@ -430,6 +465,35 @@ class Replayer:
             else:
                 with torch.no_grad():
                     dst.zero_()  # fast-forward before the restored snapshot: values are overwritten later
+
+    def _missing_payload_hint(self, step: int) -> str:
+        """Why the trace has no payload for ``step``, from what the recording was asked to keep
+        and what it reported dropping; and what to do about it."""
+        policy = str((self.rec.meta.get("policy") or {}).get("payloads", "all"))
+        counters = (self.rec.attrs.get("end") or {}).get("counters") or {}
+        dropped = int(counters.get("blobs_dropped", 0))
+        damaged = int(self.rec.attrs.get("payload_missing", 0))
+        try:
+            wanted = step in StepSet.parse(policy)
+        except ConfigError:
+            wanted = True
+        head = f"the trace holds no payload for a collective of step {step}"
+        if wanted and dropped:
+            return (
+                f"{head}: the recording kept payloads for {policy} but dropped {dropped} of them "
+                f"({int(counters.get('blob_bytes_dropped', 0)) / 1e6:.1f} MB; the disk was full or the "
+                "in-memory bound was reached). Replay steps whose payloads were kept, or record again "
+                "with more free space"
+            )
+        if wanted and damaged:
+            return f"{head}: {damaged} stored payloads were lost to spool damage (see `fsdp-replay inspect`)"
+        if wanted:
+            return f"{head}, although the recording kept payloads for {policy}"
+        return (
+            f"{head}: the recording kept payloads for {policy}; an isolated replay of steps "
+            f"{self.restore_step}.. needs the payloads of those steps (record with --payloads all or "
+            f"steps:{self.restore_step}-...)"
+        )
 
     # -- steps -----------------------------------------------------------------------------
     def on_step_begin(self, opt: torch.optim.Optimizer) -> None:
@@ -459,9 +523,21 @@ class Replayer:
         self._progress(done)
         if self.to_step >= 0 and done >= self.to_step:
             self.finish("end", EXIT_OK, reason=f"stopped after step {done} (--to-step)")
+        if self.record_ends is not None and done >= self.record_ends:
+            self._record_ended(f"after step {self.record_ends}")
+
+    def _record_ended(self, where: str) -> None:
+        """The replay needs what the record does not hold: stop, with what was verified."""
+        self.notes.append(
+            f"the record of rank {self.rank} ends {where} ({'; '.join(self.complete['reasons'])}); "
+            "the replay matched everything recorded up to there and stopped"
+        )
+        self.finish("end", EXIT_OK, reason=f"the record ends {where}")
 
     def _check_step(self, opt: torch.optim.Optimizer, exp: Any) -> None:
         base: dict[str, Any] = {"rank": self.rank, "step": self.step, "micro": self.micro}
+        if exp is None and self.truncated:
+            self._record_ended(f"before the end of step {self.step}")
         if exp is None:
             self.diverge(
                 Divergence(
@@ -700,6 +776,7 @@ class Replayer:
             "collectives_per_step": self.colls_per_step,
             "recorded_steps": len(self.rec.steps),
             "recorded_collectives": len(self.rec.colls),
+            "record_complete": self.complete,
             "replayed_collectives": self.seq,
             "first_divergence": self.divergences[0].as_dict() if self.divergences else None,
             "divergences": [d.as_dict() for d in self.divergences[:20]],
@@ -726,12 +803,10 @@ class Replayer:
             status, code = self._final_status(check_complete=at_exit)
         out = Path(self.config.report)
         if self.live:
-            out = out / f"rank-{self.rank:05d}"
+            out = out / RANK_REPORT_FMT.format(rank=self.rank)
         out.mkdir(parents=True, exist_ok=True)
         doc = self.report(status, reason or status)
-        tmp = out / "report.json.tmp"
-        tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        tmp.replace(out / "report.json")
+        atomic_write(out / REPORT_JSON, json.dumps(doc, indent=2, default=str) + "\n")
         if not at_exit:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -778,16 +853,8 @@ def feeding_modules() -> list[str]:
 
 
 def attach_replay(config: AgentConfig) -> Replayer:
-    try:
-        replayer = Replayer(config)
-    except FsdpReplayError as e:
-        out = Path(config.report)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(
-            json.dumps({"status": "unusable", "reason": str(e), "notes": [str(e)]})
-        )
-        sys.stderr.write(f"fsdp-replay: cannot replay: {e}\n")
-        os._exit(EXIT_BAD_INPUT)
+    """Install the replayer. Raises on any failure: the caller ends the process (``boot.attach``)."""
+    replayer = Replayer(config)
     hooks = Hooks(replayer)
     hooks.install()
     replayer.hooks = hooks

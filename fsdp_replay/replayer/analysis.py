@@ -163,6 +163,69 @@ def rank_steps_done(r: RankTrace) -> int:
     return int(s.max()) + 1 if len(s) else 0
 
 
+def incomplete_ranks(trace: Trace, ranks: list[int] | None = None) -> list[dict[str, Any]]:
+    """``[{"rank", "through_step", "reasons"}]`` for each rank whose record is not whole."""
+    present = trace.ranks if ranks is None else [r for r in ranks if r in trace.ranks]
+    out = []
+    for rk in present:
+        c = trace.rank(rk).completeness
+        if not c["complete"]:
+            out.append({"rank": rk, "through_step": c["through_step"], "reasons": c["reasons"]})
+    return out
+
+
+def checked_ranks(trace: Trace, ranks: list[int] | None = None) -> dict[int, RankTrace]:
+    """The ranks an analysis reads, each with all its metadata read and checked first: an
+    analysis reads only some columns, and must not answer from a rank whose others are damaged."""
+    present = trace.ranks if ranks is None else [r for r in ranks if r in trace.ranks]
+    out = {}
+    for rk in present:
+        r = trace.rank(rk)
+        r.read_all()
+        out[rk] = r
+    return out
+
+
+def record_notes(trace: Trace, ranks: list[int] | None = None, label: str = "") -> list[str]:
+    """What an answer drawn from this trace must say about the trace itself: ranks it lacks,
+    records that end early or lost something, damage the collector skipped."""
+    present = trace.ranks if ranks is None else [r for r in ranks if r in trace.ranks]
+    where = f" of trace {label}" if label else ""
+    notes = []
+    missing = sorted(set(range(trace.world_size or 0)) - set(trace.ranks))
+    if missing:
+        notes.append(f"ranks {missing} are missing from this trace{where}: nothing of theirs was collected")
+    for x in incomplete_ranks(trace, present):
+        notes.append(
+            f"rank {x['rank']}'s record{where} is complete only through step {x['through_step']}: "
+            + "; ".join(x["reasons"])
+        )
+    for rk in present:
+        damage = trace.rank(rk).attrs.get("damage") or []
+        if damage:
+            notes.append(f"rank {rk}'s spool{where} was damaged ({len(damage)} places, first: {damage[0]})")
+    return notes
+
+
+def last_seen_wall_ns(r: RankTrace) -> int | None:
+    """The wall-clock time of the last thing this rank's record shows it doing (a collective, a
+    step, an ``alive`` mark, a wait), or None where the trace cannot tell (before format 3)."""
+    t0 = r.meta.get("t0_wall_ns")
+    if not isinstance(t0, int):
+        return None
+    times: list[int] = []
+    c, s = r.collectives, r.steps
+    if len(c):
+        times.append(int((c["t_ns"] + np.maximum(c["dur_ns"], 0)).max()))
+    if len(s):
+        times.append(int(s["t_ns"].max()))
+    alive = r.attrs.get("last_alive")
+    if isinstance(alive, dict):
+        times.append(int(alive["t_ns"]))
+    times += [int(st["t_ns"]) + int(st["waited_ns"]) for st in r.attrs.get("stuck") or []]
+    return t0 + max(times) if times else None
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64 on a uint64 array (wrapping arithmetic)."""
     x = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
@@ -329,9 +392,9 @@ def nonfinite_origin(trace: Trace, ranks: list[int] | None = None) -> dict[str, 
     (one line each), and ``per_rank``: ``[{"rank", "event"}]`` with each rank's first event
     (``None`` for a rank that stayed finite), each with the same keys as the origin.
     """
-    present = trace.ranks if ranks is None else [r for r in ranks if r in trace.ranks]
+    rts = checked_ranks(trace, ranks)
+    present = list(rts)
     firsts: list[tuple[int, tuple[float, ...] | None, dict[str, Any] | None]] = []
-    rts = {rk: trace.rank(rk) for rk in present}
     for rk, r in rts.items():
         got = _first_nonfinite(r, pg_names(r))
         firsts.append((rk, None, None) if got is None else (rk, got[0], {"rank": rk, **got[1]}))
@@ -360,6 +423,13 @@ def nonfinite_origin(trace: Trace, ranks: list[int] | None = None) -> dict[str, 
     if co:
         msg += f" (ranks {co} at the same point)"
     msg += f"; ranks affected at step {step0}: {affected}"
+    blind = [x for x in incomplete_ranks(trace, present) if x["through_step"] < step0]
+    if blind:
+        msg += (
+            "; first in what was recorded: the records of "
+            + ", ".join(f"rank {x['rank']} (complete through step {x['through_step']})" for x in blind)
+            + " end earlier, so an earlier non-finite value there would not be seen"
+        )
     return {
         **{k: v for k, v in ev0.items()},
         "co_origins": co,
@@ -382,9 +452,13 @@ def _signatures(
     if n and len(t):
         strict = np.array([o in SAME_SHAPE_OPS for o in r.names("op")] + [False], dtype=bool)
         pos = co.pos_of_row[t["coll"]]
-        idx = np.arange(len(t)) - co.tensor_start[pos]
-        th = _mix(t["role"].astype(np.uint64) * np.uint64(7919) + dt_lut[t["dtype"]].astype(np.uint64))
-        sh = shape_hashes(r, t["shape_start"], t["ndim"])
+        keep = pos >= 0  # tensors of collectives left out (a record cut before its end)
+        pos, rows = pos[keep], np.flatnonzero(keep)
+        idx = rows - co.tensor_start[pos]
+        th = _mix(
+            t["role"][rows].astype(np.uint64) * np.uint64(7919) + dt_lut[t["dtype"][rows]].astype(np.uint64)
+        )
+        sh = shape_hashes(r, t["shape_start"][rows], t["ndim"][rows])
         th = np.where(strict[co.op[pos]], th ^ sh, th)
         np.add.at(sig, pos, _mix(th ^ _mix(idx.astype(np.uint64))))
     head = (
@@ -407,6 +481,21 @@ class _RankCtx:
     inflight: dict[str, Any] | None  # entry of the in-flight collective
     inflight_pg: int
     inflight_gid: int
+    t0_wall_ns: int | None  # wall-clock time of the rank's t_ns == 0 (format 3)
+    last_seen_ns: int | None  # wall-clock time of the last thing its record shows
+    cut: int | None  # its record is complete only through this step, before where it ends
+    killed: bool  # its process never closed its spool
+
+    def issued_wall_ns(self, pos: int | None) -> int | None:
+        """When the collective at issue-order position ``pos`` (None: the in-flight one) was
+        issued, in wall-clock ns."""
+        if self.t0_wall_ns is None:
+            return None
+        if pos is not None:
+            return self.t0_wall_ns + int(self.r.collectives["t_ns"][int(self.co.rows[pos])])
+        if self.inflight is not None:
+            return self.t0_wall_ns + int(self.inflight.get("t_ns", 0))
+        return None
 
     def entry(self, p: int, *, signature: bool = False) -> dict[str, Any]:
         co = self.co
@@ -444,6 +533,14 @@ class _RankCtx:
 
 def _rank_ctx(rk: int, r: RankTrace, intern: Interner) -> _RankCtx:
     co = issue_order(r)
+    comp = r.completeness
+    # Records lost before the end (damage, a gap): compare only what is whole.
+    cut = None if comp["prefix"] else int(comp["through_step"])
+    if cut is not None:
+        keep = co.step <= cut
+        co = Colls(**{k: (v[keep] if k != "pos_of_row" else v) for k, v in vars(co).items()})
+        co.pos_of_row = np.full(len(r.collectives), -1, dtype=np.int64)
+        co.pos_of_row[co.rows] = np.arange(len(co.rows))
     ops = r.names("op")
     pgn = pg_names(r)
     op_gid = intern.lut(ops)[co.op]
@@ -458,7 +555,10 @@ def _rank_ctx(rk: int, r: RankTrace, intern: Interner) -> _RankCtx:
         raw = stuck[-1]
     inflight = None
     ipg, igid = -2, -1
-    if isinstance(raw, dict) and not (len(co) and int(raw.get("seq", -1)) in set(co.seq.tolist()[-8:])):
+    seen_seq = (
+        int(raw.get("seq", -1)) in set(co.seq.tolist()[-8:]) if isinstance(raw, dict) and len(co) else False
+    )
+    if isinstance(raw, dict) and not seen_seq and cut is None:
         ipg = int(raw.get("pg", -1))
         igid = intern(str(raw.get("op")))
         inflight = {
@@ -468,8 +568,25 @@ def _rank_ctx(rk: int, r: RankTrace, intern: Interner) -> _RankCtx:
             "op": raw.get("op"),
             "pg": pgn.get(ipg, str(ipg)),
             "in_flight": True,
+            "t_ns": int(raw.get("t_ns", 0)),
         }
-    return _RankCtx(rk, r, co, ops, pgn, sig, op_gid, inflight, ipg, igid)
+    t0 = r.meta.get("t0_wall_ns")
+    return _RankCtx(
+        rk,
+        r,
+        co,
+        ops,
+        pgn,
+        sig,
+        op_gid,
+        inflight,
+        ipg,
+        igid,
+        t0 if isinstance(t0, int) else None,
+        last_seen_wall_ns(r),
+        cut,
+        r.attrs.get("end") is None,
+    )
 
 
 def _deviation(ctx: _RankCtx, intern: Interner) -> dict[str, Any] | None:
@@ -509,6 +626,26 @@ def _deviation(ctx: _RankCtx, intern: Interner) -> dict[str, Any] | None:
                 ),
             }
     return None
+
+
+def _unrecorded(ctx: _RankCtx, issued_ns: int | None) -> str | None:
+    """Why a rank that shows no collective at some position may still have issued it (its
+    record ends too early to tell), or None when its record shows it did not."""
+    if ctx.cut is not None:
+        return f"its record is complete only through step {ctx.cut}"
+    if ctx.r.attrs.get("agent_errors"):
+        return "the agent stopped recording it"
+    if not ctx.killed or ctx.inflight is not None:
+        return None  # it closed its trace, or it was waiting in another collective: it never did
+    if ctx.last_seen_ns is None or issued_ns is None:
+        return "it was killed before closing its trace, and the trace is too old to tell more"
+    if ctx.last_seen_ns >= issued_ns + schema.STUCK_AFTER_NS:
+        return None  # still recording well after the others issued it: it never did
+    lag = (issued_ns - ctx.last_seen_ns) / 1e9
+    return (
+        f"it was killed before closing its trace, and its last recorded event is {lag:+.2f} s from "
+        "when the others issued it: events that had not reached the disk were lost"
+    )
 
 
 def _entry_text(e: dict[str, Any]) -> str:
@@ -566,6 +703,27 @@ def _group_mismatch(
     entries = {rk: entry(rk, p) for rk in rks}
     issued = [rk for rk in rks if entries[rk] is not None]
     never = [rk for rk in rks if entries[rk] is None]
+    if never and issued:
+        times = [ctxs[rk].issued_wall_ns(int(sels[rk][p]) if p < lens[rk] else None) for rk in issued]
+        first_issue = min((t for t in times if t is not None), default=None)
+        unrecorded = {rk: _unrecorded(ctxs[rk], first_issue) for rk in never}
+        if all(unrecorded.values()):
+            # Not a disagreement: those ranks' records end where they could still have issued it.
+            why = "; ".join(f"rank {rk}: {w}" for rk, w in unrecorded.items())
+            e0 = entries[issued[0]]
+            assert e0 is not None
+            return {
+                "pg": name,
+                "pg_ranks": want,
+                "position": p,
+                "kind": "unrecorded",
+                "issued": issued,
+                "never": never,
+                "message": f"pg {name} position {p}: {_plural(issued)} issued {_entry_text(e0)}; "
+                f"the record of {_plural(never)} ends before it could show whether {'they' if len(never) > 1 else 'it'} "
+                f"did ({why})",
+                "_order": (int(e0["step"]), int(e0["seq"]), 1, name),
+            }
     tie_suspects = [rk for rk in rks if rk in deviants] if 0 < len(deviants & set(rks)) < len(rks) else []
     if not never:
         kind = "mismatch"
@@ -645,9 +803,10 @@ def desync_report(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any
     "message"}``; ``consistent`` (no mismatch), ``stuck`` (ranks with an in-flight collective),
     ``missing_ranks`` (of the world, no data), ``message``.
     """
-    present = trace.ranks if ranks is None else [r for r in ranks if r in trace.ranks]
+    rts = checked_ranks(trace, ranks)
+    present = list(rts)
     intern = Interner()
-    ctxs = {rk: _rank_ctx(rk, trace.rank(rk), intern) for rk in present}
+    ctxs = {rk: _rank_ctx(rk, r, intern) for rk, r in rts.items()}
     deviations: dict[int, dict[str, Any]] = {}
     for rk, ctx in ctxs.items():
         dev = _deviation(ctx, intern)
@@ -679,9 +838,14 @@ def desync_report(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any
     ]
     groups: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
+    unrecorded: list[dict[str, Any]] = []
     for name, by_rank in sels.items():
         want = members.get(name) or sorted(by_rank)
         mm = _group_mismatch(name, want, ctxs, by_rank, deviations)
+        if mm is not None and mm["kind"] == "unrecorded":
+            mm.pop("_order")
+            unrecorded.append(mm)
+            mm = None
         if mm is not None:
             mismatches.append(mm)
         groups.append(
@@ -718,5 +882,7 @@ def desync_report(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any
         "first_mismatch": first,
         "consistent": first is None,
         "stuck": stuck,
+        "unrecorded": unrecorded,
+        "notes": record_notes(trace, present),
         "message": message,
     }

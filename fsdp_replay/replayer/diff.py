@@ -23,10 +23,12 @@ from fsdp_replay.replayer.analysis import (
     ROLE_NAMES,
     Colls,
     Interner,
+    checked_ranks,
     issue_order,
     name_of,
     param_name,
     pg_names,
+    record_notes,
     shape_hashes,
 )
 from fsdp_replay.trace.reader import RankTrace, Trace
@@ -503,6 +505,14 @@ def _rank_diff(ra: RankTrace, rb: RankTrace, intern: Interner, with_magnitude: b
     def n_in_micro(s: int, m: int) -> int:
         return int(((co.step == s) & (co.micro == m)).sum())
 
+    # A divergence counts only where both records are whole: past a lost record the sequences no
+    # longer line up. (A record that only ends early, a kill, is compared as far as it goes.)
+    ends = [(side, r.completeness) for side, r in (("A", ra), ("B", rb)) if not r.completeness["prefix"]]
+    limit = min((int(c["through_step"]) for _, c in ends), default=None)
+    for d in (colls, batches):
+        if d["first"] is not None and limit is not None and int(d["first"]["step"]) > limit:
+            d["first"] = None
+    steps["firsts"] = [e for e in steps["firsts"] if e is None or limit is None or int(e["step"]) <= limit]
     cands = [e for e in [colls["first"], batches["first"], *steps["firsts"]] if e is not None]
     first = min(cands, key=lambda e: _key(e, colls["first_input_rel"], n_in_micro)) if cands else None
     order = None if first is None else _key(first, colls["first_input_rel"], n_in_micro)
@@ -529,6 +539,10 @@ def _rank_diff(ra: RankTrace, rb: RankTrace, intern: Interner, with_magnitude: b
             longer.append(f"{side.upper()} has " + " and ".join(more))
     if first is None:
         message = f"identical over {nc} collectives and {ns} steps"
+        if limit is not None:
+            message = f"identical through step {limit}, where the record of " + " and ".join(
+                f"{side} ends ({'; '.join(c['reasons'])})" for side, c in ends
+            )
     else:
         message = "first divergence: " + describe(first)
     if longer:
@@ -544,6 +558,7 @@ def _rank_diff(ra: RankTrace, rb: RankTrace, intern: Interner, with_magnitude: b
             "b": {"collectives": colls["b_total"], "steps": steps["b_total"], "batches": batches["b_total"]},
         },
         "same_length": not longer,
+        "complete_through": limit,
         "drift": steps["drift"],
         "message": message,
         "_order": order,
@@ -636,8 +651,9 @@ def diff_traces(
     in_a, in_b = set(a.ranks), set(b.ranks)
     chosen = sorted(in_a & in_b) if ranks is None else [r for r in ranks if r in in_a and r in in_b]
     intern = Interner()
-    per_rank = [_rank_diff(a.rank(r), b.rank(r), intern, with_magnitude) for r in chosen]
-    notes = _notes(a, b, chosen)
+    ra, rb = checked_ranks(a, chosen), checked_ranks(b, chosen)
+    per_rank = [_rank_diff(ra[r], rb[r], intern, with_magnitude) for r in chosen]
+    notes = [*_notes(a, b, chosen), *record_notes(a, chosen, "A"), *record_notes(b, chosen, "B")]
     if a.world_size != b.world_size:
         notes.append(f"world sizes differ: {a.world_size} vs {b.world_size}")
     diverged = [pr for pr in per_rank if pr["first"] is not None]

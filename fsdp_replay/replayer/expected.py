@@ -73,6 +73,7 @@ class RankRecord:
         rt = self.rank_trace
         self.meta = rt.meta
         self.attrs = rt.attrs
+        self.completeness = rt.completeness
         names = {k: rt.names(k) for k in ("op", "dtype", "reduce_op", "algo")}
         c, t = rt.collectives, rt.tensors
         dims = rt.table("shapes")["dim"]

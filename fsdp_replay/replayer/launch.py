@@ -87,10 +87,19 @@ def check_torch(meta: dict[str, Any]) -> None:
         )
 
 
-def replay_env(meta: dict[str, Any], rank: int, world: int, device: str | None) -> dict[str, str]:
+def replay_env(
+    meta: dict[str, Any], rank: int, world: int, device: str | None, notes: list[str] | None = None
+) -> dict[str, str]:
+    """The replayed rank's environment: the recorded one, except where the caller's own
+    environment sets a variable to another value: an explicit choice wins, and ``notes`` says so."""
     env = dict(os.environ)
     for k, v in (meta.get("env") or {}).items():
         if v == schema.REDACTED or k.startswith(_DROP_ENV):
+            continue
+        mine = os.environ.get(k)
+        if mine is not None and mine != v:
+            if notes is not None:
+                notes.append(f"{k}={mine} from your environment is used; the recorded run had {k}={v}")
             continue
         env[k] = v
     env.update(
@@ -105,7 +114,13 @@ def replay_env(meta: dict[str, Any], rank: int, world: int, device: str | None) 
     )
     threads = (meta.get("threads") or {}).get("intra_op")
     if threads and "OMP_NUM_THREADS" not in (meta.get("env") or {}):
-        env["OMP_NUM_THREADS"] = str(threads)
+        mine = os.environ.get("OMP_NUM_THREADS")
+        if mine is None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        elif mine != str(threads) and notes is not None:
+            notes.append(
+                f"OMP_NUM_THREADS={mine} from your environment is used; the recorded run used {threads} intra-op threads"
+            )
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif device and device.startswith("cuda"):

@@ -88,7 +88,12 @@ def render_text(report: dict[str, Any]) -> str:
     rank = report.get("rank")
     steps = report.get("verified_steps") or []
     span = f"{steps[0]}..{steps[-1]}" if steps else "none"
-    if status == "bit-exact":
+    if status == "bit-exact" and not steps:
+        lines.append(
+            f"rank {rank}: BIT-EXACT over {report['collectives_verified']} collectives (no step of the "
+            "record is complete)"
+        )
+    elif status == "bit-exact":
         lines.append(
             f"rank {rank}: BIT-EXACT over steps {span} ({report['collectives_verified']} collectives, "
             f"{len(steps)} steps)"

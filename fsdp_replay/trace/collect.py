@@ -8,20 +8,23 @@ identical bytes from any rank are stored once in ``blobs/``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
 
 from fsdp_replay.errors import TraceFormatError
-from fsdp_replay.trace import schema, spool
+from fsdp_replay.trace import completeness, layout, schema, spool
 from fsdp_replay.trace.store import BLOB_CHUNK, COLUMN_CHUNK, blob_codecs, column_codecs, open_root
 
 # Column name -> numpy dtype, per table. Every table is a group of equal-length 1-D arrays.
@@ -145,6 +148,8 @@ class RankReport:
     payloads_dropped: int = 0  # by the agent (disk full, memory bound), from its end counters
     damage: list[str] = field(default_factory=list)
     clean_end: bool = False
+    error: str | None = None  # the rank could not be collected at all (its group was not written)
+    completeness: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -155,16 +160,18 @@ class CollectReport:
 
     @property
     def damaged(self) -> bool:
-        return any(r.damage for r in self.ranks)
+        return any(r.damage or r.error for r in self.ranks)
 
 
 class _RankBuilder:
     """Accumulates one rank's events into columns; blobs go straight to the store."""
 
-    def __init__(self, root: zarr.Group, rank: int, report: RankReport) -> None:
+    def __init__(self, root: zarr.Group, rank: int, report: RankReport, verified: set[str]) -> None:
         self.root = root
         self.rank = rank
         self.report = report
+        self.verified = verified  # blob digests written or checked by this collect (all ranks)
+        self.tracker = completeness.Tracker()
         self.cols: dict[str, dict[str, list[Any]]] = {t: {c: [] for c in cs} for t, cs in TABLES.items()}
         self.names = {k: Names() for k in ("op", "dtype", "reduce_op", "algo", "device", "module")}
         self.attrs: dict[str, Any] = {
@@ -178,6 +185,7 @@ class _RankBuilder:
             "structures": [],
             "attempts": 0,
             "stuck": [],
+            "last_alive": None,
         }
         self._structures: dict[str, int] = {}
         self.blob_payload: dict[int, int] = {}  # spool blob id (per attempt) -> payload row
@@ -189,7 +197,7 @@ class _RankBuilder:
         row = self._digests.get(digest)
         if row is None:
             path = blob_path(digest)
-            if _exists(self.root, path):
+            if self._reusable(path, digest, raw.nbytes):
                 self.report.blobs_shared += 1
             else:
                 arr = self.root.create_array(
@@ -203,6 +211,10 @@ class _RankBuilder:
                 )
                 if raw.nbytes:
                     arr[:] = np.frombuffer(raw, dtype=np.uint8)
+                # Written after the bytes: a collect killed before this line leaves a blob that
+                # the next one sees as unfinished and writes again.
+                arr.attrs[schema.BLOB_COMPLETE_ATTR] = True
+                self.verified.add(digest)
                 self.report.blobs_written += 1
                 self.report.blob_bytes += raw.nbytes
             row = len(self.cols["payloads"]["nbytes"])
@@ -212,6 +224,25 @@ class _RankBuilder:
             self.cols["payloads"]["nbytes"].append(raw.nbytes)
             self._digests[digest] = row
         self.blob_payload[blob_id] = row
+
+    def _reusable(self, path: str, digest: str, nbytes: int) -> bool:
+        """A blob already in the store may stand for these bytes: finished and, unless this
+        collect wrote or checked it, read back and matching its digest."""
+        if digest in self.verified:
+            return True
+        try:
+            arr = self.root[path]
+            ok = (
+                isinstance(arr, zarr.Array)
+                and arr.shape == (nbytes,)
+                and arr.attrs.get(schema.BLOB_COMPLETE_ATTR) is True
+                and digest_of(np.ascontiguousarray(arr[:]).tobytes()) == digest
+            )
+        except Exception:  # absent, or damaged in any way: written again
+            return False
+        if ok:
+            self.verified.add(digest)
+        return ok
 
     def _payload(self, blob_id: int) -> int:
         if blob_id == schema.NO_BLOB:
@@ -324,6 +355,7 @@ class _RankBuilder:
         self.report.batches += 1
 
     def _ev_step(self, ev: dict[str, Any]) -> None:
+        self.tracker.step_done(int(ev["step"]))
         s = self.cols["steps"]
         p = self.cols["step_params"]
         pstart = len(p["fp"])
@@ -390,6 +422,10 @@ class _RankBuilder:
 
     def _ev_agent_error(self, ev: dict[str, Any]) -> None:
         self.attrs["agent_errors"].append({k: v for k, v in ev.items() if k != "type"})
+        self.tracker.agent_error(ev)
+
+    def _ev_alive(self, ev: dict[str, Any]) -> None:
+        self.attrs["last_alive"] = {k: v for k, v in ev.items() if k != "type"}
 
     def _ev_stuck(self, ev: dict[str, Any]) -> None:
         self.attrs["stuck"].append({k: v for k, v in ev.items() if k != "type"})
@@ -415,13 +451,31 @@ class _RankBuilder:
         t = self.cols["tensors"]
         t["coll"] = [new_row[i] for i in t["coll"]]
 
+    def assess(self) -> dict[str, Any]:
+        """How far this rank's record is complete (see completeness.py)."""
+        c, b, m = self.cols["collectives"], self.cols["batches"], self.cols["module_fps"]
+        return completeness.assess(
+            self.tracker,
+            steps=self.cols["steps"]["step"],
+            step_colls=self.cols["steps"]["colls"],
+            coll_seqs=c["seq"],
+            coll_steps=c["step"],
+            batches=list(zip(b["loader"], b["index"], b["step"], strict=True)),
+            module_fps=list(zip(m["step"], m["idx"], strict=True)),
+            end=self.attrs["end"],
+            attempts=int(self.attrs["attempts"]),
+        )
+
     def write(self) -> None:
         self._sort_collectives()
+        self.report.completeness = self.assess()
         group = self.root.create_group(schema.RANK_GROUP_FMT.format(rank=self.rank), overwrite=True)
+        arrays: dict[str, dict[str, Any]] = {}
         for table, columns in TABLES.items():
             tg = group.create_group(table)
             for col, dtype in columns.items():
                 values = np.asarray(self.cols[table][col], dtype=dtype)
+                arrays[f"{table}/{col}"] = {"len": len(values), "blake2b": digest_of(values.tobytes())}
                 arr = tg.create_array(
                     col,
                     shape=values.shape,
@@ -437,6 +491,8 @@ class _RankBuilder:
         attrs["damage"] = self.report.damage
         attrs["payload_missing"] = self.report.payload_missing
         attrs["rank"] = self.rank
+        attrs[schema.COMPLETENESS_ATTR] = self.report.completeness
+        attrs[schema.ARRAYS_ATTR] = arrays  # written last: a group without it is unfinished
         group.attrs.update(_jsonable(attrs))
 
 
@@ -475,16 +531,80 @@ def _itemsize(dtype: str) -> int:
     return size
 
 
-def _exists(group: zarr.Group, path: str) -> bool:
-    try:
-        group[path]
-    except KeyError:
-        return False
-    return True
-
-
 def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, allow_nan=True, default=str))
+
+
+@contextlib.contextmanager
+def collect_lock(
+    spool_root: str | os.PathLike[str], on_wait: Callable[[str], None] | None = None
+) -> Iterator[None]:
+    """One collector at a time per spool (``RUN/spool.lock``): a second one waits, after saying so.
+
+    The lock is an ``flock``, so a holder that dies (SIGKILL) releases it with its last descriptor.
+    """
+    root = Path(spool_root)
+    path = root.with_name(root.name + layout.COLLECT_LOCK_SUFFIX)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            if on_wait is not None:
+                on_wait(f"another collect (pid {holder}) is writing this trace ({path}); waiting for it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):  # the holder's pid is for messages only (a full disk)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _collect_rank(
+    root: zarr.Group, rank: int, folder: Path, strict: bool, verified: set[str]
+) -> tuple[RankReport, _RankBuilder | None]:
+    """One rank's spool into its group. A rank that cannot be read at all (a segment of another
+    format version, a segment that vanished) is reported and not written; other ranks go on."""
+    rr = RankReport(rank=rank)
+    builder = _RankBuilder(root, rank, rr, verified)
+    seg_report = spool.SegmentReport()
+    seen = 0
+    try:
+        for rec in spool.read_rank(folder, seg_report, strict=strict):
+            if len(seg_report.damage) > seen:  # records were lost just before this one
+                for d in seg_report.damage[seen:]:
+                    if d.records_lost:
+                        builder.tracker.incident(f"damaged spool record: {d}")
+                seen = len(seg_report.damage)
+            if rec.kind == schema.KIND_BLOB:
+                builder.blob(int(rec.obj["blob"]), rec.raw)
+                continue
+            try:
+                builder.event(rec.obj, rec)
+            except (KeyError, TypeError, ValueError) as e:
+                if strict:
+                    raise TraceFormatError(
+                        f"unusable event: {e}", path=str(rec.path), offset=rec.offset
+                    ) from e
+                dmg = spool.Damage(str(rec.path), rec.offset, 0, f"unusable event: {e}")
+                seg_report.damage.append(dmg)
+                builder.tracker.incident(f"damaged spool record: {dmg}")
+                seen = len(seg_report.damage)
+    except TraceFormatError as e:
+        if strict:
+            raise
+        rr.error = str(e)
+        rr.damage = [*(str(d) for d in seg_report.damage), str(e)]
+        return rr, None
+    for d in seg_report.damage[seen:]:  # after the last record: the record ends there
+        if d.records_lost:
+            builder.tracker.cut(builder.tracker.last_step_done, f"the spool ends damaged: {d}", lost=False)
+    rr.records = seg_report.records
+    rr.damage = [str(d) for d in seg_report.damage]
+    builder.write()
+    return rr, builder
 
 
 def collect(
@@ -494,12 +614,28 @@ def collect(
     run: dict[str, Any] | None = None,
     strict: bool = False,
     ranks: Iterable[int] | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> CollectReport:
     """Convert every rank folder under ``spool_root`` into the trace at ``trace_url``.
 
-    Re-running is safe: each rank group is rewritten whole, blobs already present are reused.
-    With ``strict``, the first damaged record raises TraceFormatError naming the file.
+    Re-running is safe: each rank group is rewritten whole; blobs already present are reused
+    once they are known whole (finished, and their bytes matching their digest). One collector
+    runs at a time per spool (``collect_lock``; ``on_wait`` hears that another one holds it).
+    With ``strict``, the first damaged record raises TraceFormatError naming the file; without,
+    damage is reported per rank and a rank that cannot be read at all does not stop the others.
     """
+    with collect_lock(spool_root, on_wait):
+        return _collect(spool_root, trace_url, run=run, strict=strict, ranks=ranks)
+
+
+def _collect(
+    spool_root: str | os.PathLike[str],
+    trace_url: str | os.PathLike[str],
+    *,
+    run: dict[str, Any] | None,
+    strict: bool,
+    ranks: Iterable[int] | None,
+) -> CollectReport:
     t0 = time.monotonic()
     folders = spool.spool_ranks(spool_root)
     if ranks is not None:
@@ -507,37 +643,29 @@ def collect(
         folders = {r: f for r, f in folders.items() if r in wanted}
     if not folders:
         raise TraceFormatError("no rank spools found (nothing was recorded?)", path=str(spool_root))
-    root = open_root(trace_url, mode="a")
+    try:
+        root = open_root(trace_url, mode="a")
+    except OSError:
+        raise
+    except Exception as e:  # a damaged trace where the new one should go: rebuild elsewhere
+        raise TraceFormatError(
+            f"the trace there is unreadable ({type(e).__name__}: {e}); remove it or write the trace "
+            "elsewhere (fsdp-replay collect RUN --trace OTHER): the spools hold everything",
+            path=f"{os.fspath(trace_url)}/zarr.json",
+        ) from None
     report = CollectReport(trace=os.fspath(trace_url))
     world_sizes = set()
+    verified: set[str] = set()
     for rank, folder in folders.items():
-        rr = RankReport(rank=rank)
-        builder = _RankBuilder(root, rank, rr)
-        seg_report = spool.SegmentReport()
-        for rec in spool.read_rank(folder, seg_report, strict=strict):
-            if rec.kind == schema.KIND_BLOB:
-                builder.blob(int(rec.obj["blob"]), rec.raw)
-            else:
-                try:
-                    builder.event(rec.obj, rec)
-                except (KeyError, TypeError, ValueError) as e:
-                    if strict:
-                        raise TraceFormatError(
-                            f"unusable event: {e}", path=str(rec.path), offset=rec.offset
-                        ) from e
-                    seg_report.damage.append(
-                        spool.Damage(str(rec.path), rec.offset, 0, f"unusable event: {e}")
-                    )
-        rr.records = seg_report.records
-        rr.damage = [str(d) for d in seg_report.damage]
-        builder.write()
-        start = builder.attrs["rank_start"]
+        rr, builder = _collect_rank(root, rank, folder, strict, verified)
+        report.ranks.append(rr)
+        start = builder.attrs["rank_start"] if builder is not None else None
         if start is not None:
             world_sizes.add(int(start["world_size"]))
-        report.ranks.append(rr)
     old = root.attrs.get(schema.ROOT_ATTR)
     meta: dict[str, Any] = dict(old) if isinstance(old, dict) else {}
-    present = sorted(set(meta.get("ranks", [])) | {r.rank for r in report.ranks})
+    written = {r.rank for r in report.ranks if r.error is None}
+    present = sorted(set(meta.get("ranks", [])) | written)
     meta.update(
         {
             "format_version": schema.FORMAT_VERSION,

@@ -14,18 +14,49 @@ import numpy as np
 import zarr
 
 from fsdp_replay.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
-from fsdp_replay.trace import schema
-from fsdp_replay.trace.collect import TABLES, blob_path
+from fsdp_replay.trace import completeness, schema
+from fsdp_replay.trace.collect import TABLES, blob_path, digest_of
 from fsdp_replay.trace.fingerprint import fingerprint
 from fsdp_replay.trace.store import open_root
 
 
-def _read_array(arr: zarr.Array, where: str) -> np.ndarray:
+def _node(group: zarr.Group, key: str, where: str) -> Any:
+    """``group[key]``, with a missing node as KeyError and a damaged one (garbage or truncated
+    ``zarr.json``, an unknown codec) as a TraceFormatError naming the file."""
     try:
-        return np.asarray(arr[:])
+        return group[key]
+    except KeyError:
+        raise
+    except Exception as e:
+        raise TraceFormatError(
+            f"unreadable metadata ({type(e).__name__}: {e})", path=f"{where}/{key}/zarr.json"
+        ) from None
+
+
+def _read_array(arr: zarr.Array, where: str, listed: dict[str, Any] | None = None) -> np.ndarray:
+    """The whole array; with ``listed`` (its length and digest from the rank's array list,
+    format 3), also checked against them, so a missing or short chunk is an error, not zeros."""
+    if listed is not None and int(arr.shape[0]) != int(listed["len"]):
+        raise TraceFormatError(
+            f"the array has {arr.shape[0]} elements; the trace lists {listed['len']}", path=where
+        )
+    try:
+        values = np.asarray(arr[:])
     except Exception as e:
         bad = _first_bad_chunk(arr)
         raise TraceFormatError(f"cannot read {bad or 'array'}: {type(e).__name__}: {e}", path=where) from None
+    if listed is not None and digest_of(np.ascontiguousarray(values).tobytes()) != listed["blake2b"]:
+        missing = _missing_chunks(arr)
+        why = f"{missing} of its {arr.nchunks} chunks are missing" if missing else "its bytes changed"
+        raise TraceFormatError(f"the array does not match the trace's array list: {why}", path=where)
+    return values
+
+
+def _missing_chunks(arr: zarr.Array) -> int:
+    try:
+        return int(arr.nchunks) - int(arr.nchunks_initialized)
+    except Exception:
+        return 0
 
 
 def _first_bad_chunk(arr: zarr.Array) -> str | None:
@@ -41,22 +72,38 @@ def _first_bad_chunk(arr: zarr.Array) -> str | None:
 class Table:
     """Equal-length columns of one table of one rank."""
 
-    def __init__(self, group: zarr.Group, where: str) -> None:
+    def __init__(
+        self, group: zarr.Group, where: str, name: str = "", listed: dict[str, Any] | None = None
+    ) -> None:
         self._group = group
         self._where = where
+        self._name = name
+        self._listed = listed  # the rank's array list (format 3), or None
         self._cache: dict[str, np.ndarray] = {}
+
+    def _entry(self, column: str) -> dict[str, Any] | None:
+        if self._listed is None:
+            return None
+        entry = self._listed.get(f"{self._name}/{column}")
+        if entry is None:
+            raise TraceFormatError(f"column {column!r} is not in the trace's array list", path=self._where)
+        return dict(entry)
 
     def __getitem__(self, column: str) -> np.ndarray:
         if column not in self._cache:
             try:
-                arr = self._group[column]
+                arr = _node(self._group, column, self._where)
             except KeyError:
                 raise TraceFormatError(f"missing column {column!r}", path=self._where) from None
-            assert isinstance(arr, zarr.Array)
-            self._cache[column] = _read_array(arr, f"{self._where}/{column}")
+            if not isinstance(arr, zarr.Array):
+                raise TraceFormatError(f"{column!r} is not an array", path=self._where)
+            self._cache[column] = _read_array(arr, f"{self._where}/{column}", self._entry(column))
         return self._cache[column]
 
     def __len__(self) -> int:
+        if self._listed is not None:
+            entry = next((v for k, v in self._listed.items() if k.startswith(f"{self._name}/")), None)
+            return 0 if entry is None else int(entry["len"])
         first = next(iter(self._group.array_keys()), None)
         return 0 if first is None else int(self._group[first].shape[0])  # type: ignore[union-attr]
 
@@ -71,7 +118,20 @@ class RankTrace:
 
     @cached_property
     def attrs(self) -> dict[str, Any]:
-        return dict(self.group.attrs)
+        attrs = dict(self.group.attrs)
+        version = self.trace.meta.get("format_version")
+        if isinstance(version, int) and version >= 3 and schema.ARRAYS_ATTR not in attrs:
+            raise TraceFormatError(
+                "this rank's group is unfinished (a collect was interrupted while writing it): "
+                "run `fsdp-replay collect` on the run folder again",
+                path=self.where,
+            )
+        return attrs
+
+    @cached_property
+    def completeness(self) -> dict[str, Any]:
+        """``{"complete", "through_step", "reasons"}``: how far this rank's record is whole."""
+        return completeness.of_rank(self.attrs, len(self.steps))
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -88,12 +148,27 @@ class RankTrace:
         if name not in TABLES:
             raise KeyError(name)
         try:
-            g = self.group[name]
+            g = _node(self.group, name, self.where)
         except KeyError:
             raise TraceFormatError(f"missing table {name!r}", path=self.where) from None
-        assert isinstance(g, zarr.Group)
-        table = self._tables[name] = Table(g, f"{self.where}/{name}")
+        if not isinstance(g, zarr.Group):
+            raise TraceFormatError(f"{name!r} is not a group", path=self.where)
+        listed = self.attrs.get(schema.ARRAYS_ATTR)
+        table = self._tables[name] = Table(
+            g, f"{self.where}/{name}", name, listed if isinstance(listed, dict) else None
+        )
         return table
+
+    def read_all(self) -> int:
+        """Read (and so check) every column of every table; returns how many arrays. An analysis
+        calls this first, so that it never answers from a rank whose metadata is damaged."""
+        n = 0
+        for name, columns in TABLES.items():
+            table = self.table(name)
+            for column in columns:
+                table[column]
+                n += 1
+        return n
 
     @cached_property
     def collectives(self) -> Table:
@@ -136,17 +211,23 @@ class RankTrace:
             raise TraceNotFoundError(f"{self.where}: no payload stored for this tensor")
         digest = self.payload_digest(row)
         path = blob_path(digest)
+        where = f"{self.trace.url}/{path}"
         try:
-            arr = self.trace.root[path]
+            arr = _node(self.trace.root, path, self.trace.url)
         except KeyError:
-            raise TraceNotFoundError(f"{self.trace.url}/{path}: payload blob missing") from None
-        assert isinstance(arr, zarr.Array)
-        data = _read_array(arr, f"{self.trace.url}/{path}").tobytes()
+            raise TraceNotFoundError(f"{where}: payload blob missing") from None
+        if not isinstance(arr, zarr.Array):
+            raise TraceFormatError("a payload blob is not an array", path=where)
+        data = _read_array(arr, where).tobytes()
         if len(data) != int(self.payloads["nbytes"][row]):
             raise TraceFormatError(
-                f"payload has {len(data)} bytes, expected {self.payloads['nbytes'][row]}",
-                path=f"{self.trace.url}/{path}",
+                f"payload has {len(data)} bytes, expected {self.payloads['nbytes'][row]}", path=where
             )
+        # Every blob (payloads, snapshots, RNG states) is named by the digest of its bytes.
+        if digest_of(data) != digest:
+            missing = _missing_chunks(arr)
+            why = f"{missing} of its {arr.nchunks} chunks are missing" if missing else "its bytes changed"
+            raise TraceFormatError(f"the blob's bytes do not match its name: {why}", path=where)
         if verify is not None:
             algo, fp = verify
             got = fingerprint(algo, data)
@@ -176,7 +257,8 @@ class Trace:
                 raise TraceFormatError("not an fsdp-replay trace (no zarr.json here)", path=s) from None
             raise TraceNotFoundError(f"{s}: no such trace") from None
         except Exception as e:
-            raise TraceFormatError(f"not a Zarr v3 group: {e}", path=s) from None
+            where = s if "://" in s or not os.path.isdir(s) else os.path.join(s, "zarr.json")
+            raise TraceFormatError(f"not a Zarr v3 group ({type(e).__name__}: {e})", path=where) from None
         meta = root.attrs.get(schema.ROOT_ATTR)
         if not isinstance(meta, dict) or meta.get("kind") != "trace":
             raise TraceFormatError("not an fsdp-replay trace (no 'fsdp_replay' root attribute)", path=s)
@@ -200,10 +282,16 @@ class Trace:
     def rank(self, rank: int) -> RankTrace:
         name = schema.RANK_GROUP_FMT.format(rank=rank)
         try:
-            g = self.root[name]
+            g = _node(self.root, name, self.url)
         except KeyError:
+            if rank in self.ranks:
+                raise TraceFormatError(
+                    f"the group of rank {rank} is missing, although the trace lists ranks {self.ranks}",
+                    path=f"{self.url}/{name}",
+                ) from None
             raise TraceNotFoundError(
                 f"{self.url}: rank {rank} is not in this trace (ranks: {self.ranks})"
             ) from None
-        assert isinstance(g, zarr.Group)
+        if not isinstance(g, zarr.Group):
+            raise TraceFormatError(f"rank {rank} is not a group", path=f"{self.url}/{name}")
         return RankTrace(self, rank, g)

@@ -18,10 +18,14 @@ from typing import Final
 
 # Bumped on any change a reader of the previous version would misread.
 # 2: the sk64 fingerprint algorithm, steps.agent_cpu_ns / writer_cpu_ns (step.cpu_ns).
-FORMAT_VERSION: Final = 2
+# 3: each rank group lists its arrays with their lengths and digests (ARRAYS_ATTR) and says how far
+#    its record is complete (COMPLETENESS_ATTR); `alive` events; blobs carry a completion mark.
+FORMAT_VERSION: Final = 3
 # Readers accept these; anything else raises TraceVersionError. A version-1 trace has no
-# agent_cpu_ns/writer_cpu_ns columns in `steps` and no sk64 fingerprints; nothing else differs.
-READABLE_VERSIONS: Final = frozenset({1, 2})
+# agent_cpu_ns/writer_cpu_ns columns in `steps` and no sk64 fingerprints. Versions 1 and 2 have no
+# array list, so a missing chunk of theirs cannot be told from zeros, and no completeness record:
+# readers derive it from the rank's end event and damage list.
+READABLE_VERSIONS: Final = frozenset({1, 2, 3})
 
 # ---------------------------------------------------------------------------------------------
 # Paths (relative to the output folder of `fsdp-replay record --out DIR`).
@@ -35,6 +39,13 @@ RANK_GROUP_FMT: Final = "rank_{rank:05d}"
 RANK_GROUP_RE: Final = re.compile(r"^rank_(\d{5})$")
 BLOBS_GROUP: Final = "blobs"
 ROOT_ATTR: Final = "fsdp_replay"
+# Rank-group attributes (format 3): {"<table>/<column>": {"len": n, "blake2b": hex}} for every
+# column array, and how far the rank's record is complete (see docs/trace-format.md#completeness).
+ARRAYS_ATTR: Final = "arrays"
+COMPLETENESS_ATTR: Final = "completeness"
+# Blob arrays get this attribute once all their bytes are written: a blob without it was left
+# by a collector that was killed mid-write, and is rewritten.
+BLOB_COMPLETE_ATTR: Final = "complete"
 
 # ---------------------------------------------------------------------------------------------
 # Spool records. A segment starts with SEGMENT_MAGIC + a JSON header line; then records, each
@@ -67,6 +78,7 @@ EV_MODULE_FP: Final = "mod"
 EV_AGENT_ERROR: Final = "agent_error"
 EV_DROP: Final = "drop"
 EV_STUCK: Final = "stuck"
+EV_ALIVE: Final = "alive"
 EV_END: Final = "end"
 
 EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
@@ -106,15 +118,25 @@ EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
     EV_AGENT_ERROR: frozenset({"type", "where", "message", "traceback"}),
     EV_DROP: frozenset({"type", "what", "count", "nbytes", "reason"}),
     EV_STUCK: frozenset({"type", "seq", "step", "op", "pg", "t_ns", "waited_ns"}),
+    EV_ALIVE: frozenset({"type", "seq", "step", "t_ns"}),
     EV_END: frozenset({"type", "reason", "steps", "colls", "t_ns", "counters"}),
 }
 # Keys an event may carry beyond EVENT_KEYS; readers tolerate only these extras.
 OPTIONAL_EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
     EV_COLLECTIVE: frozenset({"extra", "async"}),
-    EV_END: frozenset({"inflight"}),
+    # the uncaught exception the process died of (repr), or null
+    EV_END: frozenset({"inflight", "exception"}),
     # [agent hooks, writer thread] CPU ns so far: what recording has cost the process, by step
     EV_STEP: frozenset({"cpu_ns"}),
+    # where recording stopped: the step and collective sequence number in progress
+    EV_AGENT_ERROR: frozenset({"step", "seq"}),
+    # wall-clock time (time.time_ns) of t_ns == 0, so that ranks' event times can be compared
+    EV_RANK_START: frozenset({"t0_wall_ns"}),
 }
+# A rank whose writer has had nothing to write for this long writes an `alive` event: a rank
+# killed while busy elsewhere still shows how far it got, and desync can tell "never issued"
+# from "not written yet".
+ALIVE_EVERY_NS: Final = 1_000_000_000
 
 # A tensor as recorded in coll/batch/step events: a JSON list with these fields, in order.
 # role: "i" (input, before the op) / "o" (output, after) / "" (batches, params).
@@ -186,16 +208,6 @@ ENV_ALLOW: Final = frozenset(
     }
 )
 ENV_ALLOW_PREFIXES: Final = ("NCCL_", "TORCH_", "CUDNN_", "FSDP_REPLAY_", "GLOO_", "CUBLAS")
-# Names (env keys, argv flags) whose values are secrets: matched case-insensitively as words.
-SECRET_NAME_RE: Final = re.compile(
-    r"(token|secret|passw(or)?d|passphrase|api[_-]?key|access[_-]?key|private[_-]?key|credential|"
-    r"auth|session[_-]?key|signature|cookie)",
-    re.IGNORECASE,
-)
-# Values that look like secrets on their own, wherever they appear (argv, env of allowed names).
-SECRET_VALUE_RE: Final = re.compile(
-    r"(AKIA[0-9A-Z]{16}|ASIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{20,}|hf_[A-Za-z0-9]{20,}|"
-    r"xox[abpr]-[A-Za-z0-9-]{10,}|sk-[A-Za-z0-9_-]{20,}|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\."
-    r"[A-Za-z0-9_-]{5,}|://[^/\s:@]+:[^/\s@]+@)"
-)
+# What replaces a secret in argv, env and run.json (a URL keeps all but its password). The rules
+# that decide what is a secret are in redact.py and docs/trace-format.md ("What is redacted").
 REDACTED: Final = "<redacted>"

@@ -219,6 +219,7 @@ class Damage:
     offset: int
     nbytes: int
     reason: str
+    records_lost: bool = True  # False for a damaged segment header whose records were all read
 
     def __str__(self) -> str:
         return f"{self.path} at byte {self.offset}: {self.reason} ({self.nbytes} bytes skipped)"
@@ -279,13 +280,19 @@ def _resync(data: memoryview, pos: int) -> int:
 
 
 def read_segment(
-    path: str | os.PathLike[str], report: SegmentReport | None = None, *, strict: bool = False
+    path: str | os.PathLike[str],
+    report: SegmentReport | None = None,
+    *,
+    strict: bool = False,
+    recover: bool = False,
 ) -> Iterator[Record]:
     """Yield the records of one segment in order.
 
     Damage (a truncated tail, a checksum mismatch) is appended to ``report`` and reading resumes at
     the next valid record, so one bad record loses only itself. With ``strict``, the first damage
-    raises TraceFormatError naming the file and offset instead.
+    raises TraceFormatError naming the file and offset instead. A damaged segment header raises
+    too, unless ``recover``: then it is reported and every valid record after it is still read
+    (records carry their own checksums). A segment of another format version always raises.
     """
     p = Path(path)
     report = report if report is not None else SegmentReport()
@@ -298,11 +305,19 @@ def read_segment(
     except TraceVersionError:
         raise
     except TraceFormatError as e:
+        short = len(data) < len(schema.SEGMENT_MAGIC) + 4
         # A process killed between creating a segment and writing its header leaves it short.
-        if strict or len(data) >= len(schema.SEGMENT_MAGIC) + 4:
+        if strict or not (short or recover):
             raise
-        report.damage.append(Damage(str(p), 0, len(data), f"truncated segment header ({e})"))
-        return
+        if short:
+            report.damage.append(Damage(str(p), 0, len(data), f"truncated segment header ({e})"))
+            return
+        pos = _resync(data, -1)
+        # The header's length field, if it survived, says where the first record should start.
+        body = len(schema.SEGMENT_MAGIC) + 4 + _U32.unpack_from(data, len(schema.SEGMENT_MAGIC))[0]
+        whole = pos == body or (pos == len(data) and body >= len(data))
+        reason = f"damaged segment header ({e})" + ("; every record after it was read" if whole else "")
+        report.damage.append(Damage(str(p), 0, pos, reason, records_lost=not whole))
     while pos < len(data):
         parsed = _try_record(data, pos)
         if isinstance(parsed, str):
@@ -352,6 +367,7 @@ def spool_ranks(spool_root: str | os.PathLike[str]) -> dict[int, Path]:
 def read_rank(
     folder: str | os.PathLike[str], report: SegmentReport | None = None, *, strict: bool = False
 ) -> Iterator[Record]:
-    """Yield every record of one rank, segment after segment."""
+    """Yield every record of one rank, segment after segment; a damaged segment header costs
+    only that header (unless ``strict``)."""
     for seg in segments(folder):
-        yield from read_segment(seg, report, strict=strict)
+        yield from read_segment(seg, report, strict=strict, recover=not strict)

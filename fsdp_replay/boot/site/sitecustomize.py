@@ -25,13 +25,18 @@ def _chain() -> None:
 
 
 def _main() -> None:
-    if os.environ.get("FSDP_REPLAY_MODE", "off") not in ("", "off"):
+    mode = os.environ.get("FSDP_REPLAY_MODE", "off")
+    if mode not in ("", "off"):
         try:
-            from fsdp_replay.agent.bootstrap import activate
+            from fsdp_replay.boot.attach import activate
 
             activate()
-        except Exception as e:  # never stop the program from starting
-            sys.stderr.write(f"fsdp-replay: agent not started: {e!r}\n")
+        except Exception as e:
+            if mode == "replay":  # a replay never runs the program for real: fail closed
+                sys.stderr.write(f"fsdp-replay: cannot replay: the agent could not start: {e!r}\n")
+                sys.stderr.flush()
+                os._exit(3)
+            sys.stderr.write(f"fsdp-replay: agent not started: {e!r}\n")  # recording: never stop it
     _chain()
 
 
