@@ -35,9 +35,12 @@ def _capabilities() -> dict[str, str | None]:
         )
     else:
         reasons["ebpf"] = None
-    docker = shutil.which("docker")
+    # Debian's client (BuildKit, buildx); another client earlier on PATH may lack buildx.
+    docker = "/usr/bin/docker" if os.path.exists("/usr/bin/docker") else shutil.which("docker")
     ok = docker is not None and subprocess.run([docker, "info"], capture_output=True).returncode == 0
-    reasons["docker"] = None if ok else "no running Docker engine"
+    reasons["docker"] = (
+        None if ok else "no running Docker engine (as root: scripts/install-docker.sh start; make test does)"
+    )
     try:
         import torch
 
