@@ -25,13 +25,25 @@ demo: $(STAMP)
 	$(BIN)/fsdp-replay inspect runs/demo
 	$(BIN)/fsdp-replay replay runs/demo --rank 1 --from-step 5
 
+# As root, the eBPF tests need bcc, kernel headers and a real libnccl: scripts/install-ebpf.sh
+# installs them (once; a stamp remembers). Elsewhere those tests skip and say why.
+EBPF_STAMP := $(VENV)/.ebpf-installed
+$(EBPF_STAMP): $(STAMP) scripts/install-ebpf.sh
+	@if [ "$$(id -u)" = 0 ]; then scripts/install-ebpf.sh $(VENV) && touch $@; \
+	else echo "not root: the eBPF tests will skip"; fi
+
 lint: $(STAMP)
-	$(BIN)/ruff check fsdp_replay tests examples bench
-	$(BIN)/ruff format --check fsdp_replay tests examples bench
+	$(BIN)/ruff check fsdp_replay tests examples bench helm/fsdp-replay/files
+	$(BIN)/ruff format --check fsdp_replay tests examples bench helm/fsdp-replay/files
 	$(BIN)/mypy
 
-test: lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+# As root, a real Docker engine runs for the image tests (scripts/install-docker.sh starts it and
+# stops the one it started); the docker marker is decided when pytest collects, so it starts first.
+test: lint $(EBPF_STAMP)
+	@if [ "$$(id -u)" = 0 ]; then scripts/install-prometheus.sh >/dev/null && scripts/install-docker.sh start; \
+	else echo "not root: the Docker and Prometheus tests will skip"; fi
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ "$$(id -u)" = 0 ]; then scripts/install-docker.sh stop; fi; exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_record.py

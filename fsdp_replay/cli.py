@@ -1,6 +1,7 @@
 """Record a training job, build its trace, replay one rank, analyse it, inject recording into pods.
 
-Subcommands: ``record | collect | inspect | replay | diff | nan | desync | webhook | inject``.
+Subcommands: ``record | collect | inspect | replay | diff | nan | desync | webhook | inject |
+sidecar``.
 
 Every option is also an environment variable (``FSDP_REPLAY_<OPTION>``), so a pod spec can
 configure it without arguments. Exit codes: 0 success, 1 divergence found, 2 usage error,
@@ -498,9 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from fsdp_replay.cli_analysis import register
     from fsdp_replay.injector.cli import register as register_injector
+    from fsdp_replay.sidecar.cli import register as register_sidecar
 
     register(sub)
     register_injector(sub)
+    register_sidecar(sub)
 
     i = sub.add_parser("inspect", help="summarize a trace")
     i.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
