@@ -21,9 +21,10 @@ import zarr
 
 from fsdp_replay.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
 from fsdp_replay.trace import schema, spool
-from fsdp_replay.trace.collect import CollectReport, blob_path, collect, digest_of
+from fsdp_replay.trace.collect import CollectReport, collect
 from fsdp_replay.trace.fingerprint import fingerprint
 from fsdp_replay.trace.reader import Trace
+from fsdp_replay.trace.schema import blob_path, digest_of
 
 NUMPY_DTYPES = {"float32": np.float32, "int64": np.int64, "bfloat16": np.uint16, "int32": np.int32}
 

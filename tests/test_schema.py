@@ -16,8 +16,8 @@ import torch
 
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.fingerprint import fingerprint as torch_fingerprint
-from fsdp_replay.trace import collect, schema
 from fsdp_replay.trace import fingerprint as ref
+from fsdp_replay.trace import schema
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_replay"
 
@@ -85,7 +85,7 @@ def test_optional_event_keys_pinned() -> None:
     assert {k: set(v) for k, v in schema.OPTIONAL_EVENT_KEYS.items()} == {
         "coll": {"extra", "async"},
         "end": {"inflight", "exception"},
-        "step": {"cpu_ns"},
+        "step": {"cpu_ns", "counters"},
         "agent_error": {"step", "seq"},
         "rank_start": {"t0_wall_ns"},
     }
@@ -196,10 +196,10 @@ def test_tables_pinned() -> None:
             "nonfinite": "bool",
         },
     }
-    assert expected == collect.TABLES
+    assert expected == schema.TABLES
     # the column order is the order the docs list them in
-    assert {t: list(c) for t, c in collect.TABLES.items()} == {t: list(c) for t, c in expected.items()}
-    assert collect.ROLE_CODES == {"i": 0, "o": 1, "": 2}
+    assert {t: list(c) for t, c in schema.TABLES.items()} == {t: list(c) for t, c in expected.items()}
+    assert schema.ROLE_CODES == {"i": 0, "o": 1, "": 2}
 
 
 def test_the_spec_documents_every_key_table_and_column() -> None:
@@ -208,7 +208,7 @@ def test_the_spec_documents_every_key_table_and_column() -> None:
     for ev, keys in [*schema.EVENT_KEYS.items(), *schema.OPTIONAL_EVENT_KEYS.items()]:
         missing += [f"{ev}.{k}" for k in sorted(keys) if f"`{k}`" not in doc]
     missing += [f"tensor field {f}" for f in schema.TENSOR_FIELDS if f"`{f}`" not in doc]
-    for table, columns in collect.TABLES.items():
+    for table, columns in schema.TABLES.items():
         missing += [f"table {table}"] if f"`{table}`" not in doc else []
         missing += [f"{table}.{c}" for c in columns if f"`{c}`" not in doc]
     assert not missing, f"docs/trace-format.md does not mention: {missing}"

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Work
 
 from fsdp_replay.trace import schema
+from fsdp_replay.trace.ops import FUNCTIONAL_NAMESPACE, FUNCTIONAL_OPS
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +40,7 @@ DEFERRABLE_OPS = frozenset({"_allgather_base_", "allgather_into_tensor_coalesced
 _EXTRA_ARGS = ("root_rank", "root_tensor", "dst", "src", "tag", "output_split_sizes", "input_split_sizes")
 
 
-# Functional collectives: the result is the output; its data is valid after wait_tensor.
-FUNCTIONAL_NAMESPACE = "_c10d_functional"
-FUNCTIONAL_OPS = (
-    "all_reduce",
-    "all_reduce_",
-    "all_reduce_coalesced",
-    "all_reduce_coalesced_",
-    "all_gather_into_tensor",
-    "all_gather_into_tensor_out",
-    "all_gather_into_tensor_coalesced",
-    "reduce_scatter_tensor",
-    "reduce_scatter_tensor_out",
-    "reduce_scatter_tensor_coalesced",
-    "all_to_all_single",
-    "broadcast",
-    "broadcast_",
-)
+# Functional collectives (trace/ops.py): the result is the output; its data is valid after wait_tensor.
 _FUNCTIONAL_IN_ARGS = frozenset({"input", "inputs"})
 
 

@@ -35,19 +35,11 @@ from fsdp_replay.errors import ConfigError, FsdpReplayError, TraceIncompleteErro
 from fsdp_replay.replayer.expected import ExpectedColl, ExpectedTensor, RankRecord
 from fsdp_replay.replayer.report import Divergence, magnitude
 from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
+from fsdp_replay.trace.ops import ALL_GATHER_OPS
 from fsdp_replay.trace.reader import Trace
 
 log = logging.getLogger(__name__)
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 3
-ALLGATHER_OPS = frozenset(
-    {
-        "_allgather_base_",
-        "allgather_into_tensor_coalesced_",
-        "_c10d_functional.all_gather_into_tensor",
-        "_c10d_functional.all_gather_into_tensor_out",
-        "_c10d_functional.all_gather_into_tensor_coalesced",
-    }
-)
 
 
 def _value(x: Any) -> Any:
@@ -404,7 +396,7 @@ class Replayer:
                 return magnitude(self.rec.tensor(ins[i]), t)
             outs = exp.role("o")
             pg = call.process_group
-            if exp.op in ALLGATHER_OPS and len(outs) == len(ins) and outs[i].payload >= 0 and pg is not None:
+            if exp.op in ALL_GATHER_OPS and len(outs) == len(ins) and outs[i].payload >= 0 and pg is not None:
                 # An all-gather's output holds every rank's input: this rank's chunk is what it sent.
                 chunk = self.rec.tensor(outs[i]).reshape(pg.size(), -1)[pg.rank()]
                 return magnitude(chunk.reshape(t.shape), t)

@@ -22,45 +22,11 @@ from typing import Any
 import numpy as np
 
 from fsdp_replay.trace import schema
+from fsdp_replay.trace.ops import P2P_OPS, SAME_SHAPE_OPS
 from fsdp_replay.trace.reader import RankTrace, Trace
+from fsdp_replay.trace.schema import ROLE_INPUT, ROLE_NAMES, ROLE_OUTPUT
 
-ROLE_INPUT = 0
-ROLE_OUTPUT = 1
-ROLE_NAMES = {ROLE_INPUT: "input", ROLE_OUTPUT: "output", 2: ""}
-
-# Point-to-point ops are pairwise, not ordered per group: left out of desync comparisons.
-P2P_OPS = schema.P2P_OPS
-# Ops whose tensors have the same shapes on every member of the group (all-gather inputs,
-# all-reduce buffers, ...). Others (all-to-all with splits, gather/scatter lists on the root)
-# are compared by op, reduce op, tensor count and dtypes only.
-SAME_SHAPE_OPS = frozenset(
-    {
-        "allgather_",
-        "_allgather_base_",
-        "allgather_coalesced_",
-        "allgather_into_tensor_coalesced_",
-        "reduce_scatter_",
-        "_reduce_scatter_base_",
-        "reduce_scatter_tensor_coalesced_",
-        "allreduce_",
-        "allreduce_coalesced_",
-        "broadcast_",
-        "reduce_",
-        "barrier",
-        "_c10d_functional.all_reduce",
-        "_c10d_functional.all_reduce_",
-        "_c10d_functional.all_reduce_coalesced",
-        "_c10d_functional.all_reduce_coalesced_",
-        "_c10d_functional.all_gather_into_tensor",
-        "_c10d_functional.all_gather_into_tensor_out",
-        "_c10d_functional.all_gather_into_tensor_coalesced",
-        "_c10d_functional.reduce_scatter_tensor",
-        "_c10d_functional.reduce_scatter_tensor_out",
-        "_c10d_functional.reduce_scatter_tensor_coalesced",
-        "_c10d_functional.broadcast",
-        "_c10d_functional.broadcast_",
-    }
-)
+__all__ = ["P2P_OPS", "ROLE_INPUT", "ROLE_NAMES", "ROLE_OUTPUT", "SAME_SHAPE_OPS"]
 AFTER_ALL_MICRO = 1 << 30  # the micro key of "parameters after the step"
 
 

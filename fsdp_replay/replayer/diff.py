@@ -31,24 +31,8 @@ from fsdp_replay.replayer.analysis import (
     record_notes,
     shape_hashes,
 )
+from fsdp_replay.trace import dtypes
 from fsdp_replay.trace.reader import RankTrace, Trace
-
-NUMPY_DTYPES = {
-    "float32": "<f4",
-    "float64": "<f8",
-    "float16": "<f2",
-    "int64": "<i8",
-    "int32": "<i4",
-    "int16": "<i2",
-    "int8": "i1",
-    "uint8": "u1",
-    "uint16": "<u2",
-    "uint32": "<u4",
-    "uint64": "<u8",
-    "bool": "?",
-    "complex64": "<c8",
-    "complex128": "<c16",
-}
 
 
 def _hex(x: int) -> str:
@@ -85,7 +69,7 @@ def decode(data: bytes, dtype: str) -> tuple[np.ndarray, np.ndarray] | None:
         except (ImportError, AttributeError):
             vals = raw.astype(np.float64)  # bytes compared, values not decoded
         return vals, raw
-    code = NUMPY_DTYPES.get(dtype)
+    code = dtypes.numpy_code(dtype)
     if code is None:
         return None
     arr = np.frombuffer(data, code)

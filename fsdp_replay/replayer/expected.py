@@ -16,10 +16,9 @@ import numpy as np
 import torch
 
 from fsdp_replay.errors import TraceFormatError, TraceNotFoundError
-from fsdp_replay.trace.collect import ROLE_CODES
 from fsdp_replay.trace.reader import RankTrace, Trace
+from fsdp_replay.trace.schema import MODULE_KINDS, ROLE_LETTERS
 
-ROLES = {v: k for k, v in ROLE_CODES.items()}
 PAYLOAD_CACHE_BYTES = 1 << 30
 PREFETCH_AHEAD = 64  # collectives
 
@@ -85,7 +84,7 @@ class RankRecord:
             start, count = int(c["tensor_start"][i]), int(c["tensor_count"][i])
             tensors = tuple(
                 ExpectedTensor(
-                    ROLES[int(t_cols["role"][j])],
+                    ROLE_LETTERS[int(t_cols["role"][j])],
                     names["dtype"][int(t_cols["dtype"][j])],
                     tuple(
                         int(d)
@@ -170,13 +169,12 @@ class RankRecord:
         try:
             mt = rt.table("module_fps")
             mod_names = rt.names("module")
-            kinds = ("fwd", "bwd")
             for i in np.argsort(mt["idx"], kind="stable").tolist() if len(mt) else []:
                 self.modules[int(mt["step"][i])].append(
                     (
                         int(mt["micro"][i]),
                         mod_names[int(mt["name"][i])],
-                        kinds[int(mt["kind"][i])],
+                        MODULE_KINDS[int(mt["kind"][i])],
                         int(mt["fp"][i]),
                         names["algo"][int(mt["algo"][i])],
                     )

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -24,89 +22,9 @@ import numpy as np
 import zarr
 
 from fsdp_replay.errors import TraceFormatError
-from fsdp_replay.trace import completeness, layout, schema, spool
+from fsdp_replay.trace import completeness, dtypes, layout, schema, spool
+from fsdp_replay.trace.schema import MODULE_KIND_CODES, ROLE_CODES, TABLES, blob_path, digest_of
 from fsdp_replay.trace.store import BLOB_CHUNK, COLUMN_CHUNK, blob_codecs, column_codecs, open_root
-
-# Column name -> numpy dtype, per table. Every table is a group of equal-length 1-D arrays.
-TABLES: dict[str, dict[str, str]] = {
-    "collectives": {
-        "seq": "int64",
-        "step": "int64",
-        "micro": "int32",
-        "op": "int16",
-        "pg": "int32",
-        "reduce_op": "int16",
-        "root": "int32",
-        "t_ns": "int64",
-        "dur_ns": "int64",
-        "tensor_start": "int64",
-        "tensor_count": "int32",
-    },
-    "tensors": {
-        "coll": "int64",
-        "role": "uint8",
-        "dtype": "int16",
-        "shape_start": "int64",
-        "ndim": "int16",
-        "nbytes": "int64",
-        "fp": "uint64",
-        "algo": "int16",
-        "nonfinite": "bool",
-        "payload": "int64",
-        "device": "int16",
-    },
-    "batches": {
-        "step": "int64",
-        "micro": "int32",
-        "index": "int64",
-        "loader": "int32",
-        "structure": "int32",
-        "tensor_start": "int64",
-        "tensor_count": "int32",
-    },
-    "batch_tensors": {
-        "batch": "int64",
-        "dtype": "int16",
-        "shape_start": "int64",
-        "ndim": "int16",
-        "nbytes": "int64",
-        "fp": "uint64",
-        "algo": "int16",
-        "nonfinite": "bool",
-        "payload": "int64",
-        "device": "int16",
-    },
-    "steps": {
-        "step": "int64",
-        "micro_steps": "int32",
-        "colls": "int64",
-        "t_ns": "int64",
-        "param_start": "int64",
-        "param_count": "int32",
-        "loss_start": "int64",
-        "loss_count": "int32",
-        "nonfinite": "bool",
-        "agent_cpu_ns": "int64",
-        "writer_cpu_ns": "int64",
-    },
-    "step_params": {"fp": "uint64", "nonfinite": "bool", "algo": "int16"},
-    "losses": {"value": "float64"},
-    "shapes": {"dim": "int64"},
-    "rng": {"step": "int64", "payload": "int64", "python": "int64", "torch": "int64", "numpy": "int64"},
-    "payloads": {"digest_hi": "uint64", "digest_lo": "uint64", "nbytes": "int64"},
-    "module_fps": {
-        "step": "int64",
-        "micro": "int32",
-        "idx": "int64",
-        "name": "int32",
-        "kind": "uint8",
-        "fp": "uint64",
-        "algo": "int16",
-        "nonfinite": "bool",
-    },
-}
-MODULE_KIND_CODES = {"fwd": 0, "bwd": 1}
-ROLE_CODES = {"i": 0, "o": 1, "": 2}
 
 
 class Names:
@@ -124,14 +42,6 @@ class Names:
             c = self._codes[name] = len(self.names)
             self.names.append(name)
         return c
-
-
-def blob_path(digest: str) -> str:
-    return f"{schema.BLOBS_GROUP}/{digest[:2]}/{digest}"
-
-
-def digest_of(data: bytes | memoryview) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 @dataclass(slots=True)
@@ -262,7 +172,7 @@ class _RankBuilder:
     def _tensor_cols(self, t: list[Any]) -> dict[str, Any]:
         role, dtype, shape, fp, algo, nonfinite, blob, device = t
         del role
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtypes.itemsize(dtype)
         return {
             "dtype": self.names["dtype"].code(dtype),
             "shape_start": self._shape(shape),
@@ -494,41 +404,6 @@ class _RankBuilder:
         attrs[schema.COMPLETENESS_ATTR] = self.report.completeness
         attrs[schema.ARRAYS_ATTR] = arrays  # written last: a group without it is unfinished
         group.attrs.update(_jsonable(attrs))
-
-
-_ITEMSIZE = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "float32": 4,
-    "complex32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float64": 8,
-    "complex64": 8,
-    "complex128": 16,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2fnuz": 1,
-}
-
-
-def _itemsize(dtype: str) -> int:
-    """Bytes per element; newer dtypes are sized from the bit count in their name (float8_* -> 1)."""
-    size = _ITEMSIZE.get(dtype)
-    if size is None:
-        bits = re.search(r"(\d+)", dtype)
-        if bits is None or int(bits.group(1)) % 8:
-            raise TraceFormatError(f"unknown tensor dtype {dtype!r}")
-        size = int(bits.group(1)) // 8
-    return size
 
 
 def _jsonable(x: Any) -> Any:

@@ -15,8 +15,8 @@ import zarr
 
 from fsdp_replay.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
 from fsdp_replay.trace import completeness, schema
-from fsdp_replay.trace.collect import TABLES, blob_path, digest_of
 from fsdp_replay.trace.fingerprint import fingerprint
+from fsdp_replay.trace.schema import TABLES, blob_path, digest_of
 from fsdp_replay.trace.store import open_root
 
 

@@ -13,8 +13,77 @@ that a change here is a deliberate format change.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Final
+
+# Re-exported: the event vocabulary is defined in events.py, the op table in ops.py.
+from fsdp_replay.trace.events import (
+    EV_AGENT_ERROR as EV_AGENT_ERROR,
+)
+from fsdp_replay.trace.events import (
+    EV_ALIVE as EV_ALIVE,
+)
+from fsdp_replay.trace.events import (
+    EV_BATCH as EV_BATCH,
+)
+from fsdp_replay.trace.events import (
+    EV_COLLECTIVE as EV_COLLECTIVE,
+)
+from fsdp_replay.trace.events import (
+    EV_DROP as EV_DROP,
+)
+from fsdp_replay.trace.events import (
+    EV_END as EV_END,
+)
+from fsdp_replay.trace.events import (
+    EV_MODULE_FP as EV_MODULE_FP,
+)
+from fsdp_replay.trace.events import (
+    EV_MODULES as EV_MODULES,
+)
+from fsdp_replay.trace.events import (
+    EV_PROCESS_GROUP as EV_PROCESS_GROUP,
+)
+from fsdp_replay.trace.events import (
+    EV_RANK_START as EV_RANK_START,
+)
+from fsdp_replay.trace.events import (
+    EV_RNG as EV_RNG,
+)
+from fsdp_replay.trace.events import (
+    EV_SNAPSHOT as EV_SNAPSHOT,
+)
+from fsdp_replay.trace.events import (
+    EV_STEP as EV_STEP,
+)
+from fsdp_replay.trace.events import (
+    EV_STUCK as EV_STUCK,
+)
+from fsdp_replay.trace.events import (
+    EVENT_KEYS as EVENT_KEYS,
+)
+from fsdp_replay.trace.events import (
+    NO_BLOB as NO_BLOB,
+)
+from fsdp_replay.trace.events import (
+    OPTIONAL_EVENT_KEYS as OPTIONAL_EVENT_KEYS,
+)
+from fsdp_replay.trace.events import (
+    TENSOR_FIELDS as TENSOR_FIELDS,
+)
+from fsdp_replay.trace.ops import (
+    C10D_OPS as C10D_OPS,
+)
+from fsdp_replay.trace.ops import (
+    P2P_OPS as P2P_OPS,
+)
+from fsdp_replay.trace.ops import (
+    RECV_OPS as RECV_OPS,
+)
+from fsdp_replay.trace.ops import (
+    SEND_OPS as SEND_OPS,
+)
 
 # Bumped on any change a reader of the previous version would misread.
 # 2: the sk64 fingerprint algorithm, steps.agent_cpu_ns / writer_cpu_ns (step.cpu_ns).
@@ -65,83 +134,13 @@ STUCK_AFTER_NS: Final = 2_000_000_000
 SEGMENT_MAX_BYTES: Final = 64 << 20
 
 # ---------------------------------------------------------------------------------------------
-# Events (the "type" field of a KIND_EVENT record) and the keys each one carries.
-EV_RANK_START: Final = "rank_start"
-EV_PROCESS_GROUP: Final = "pg"
-EV_COLLECTIVE: Final = "coll"
-EV_BATCH: Final = "batch"
-EV_STEP: Final = "step"
-EV_RNG: Final = "rng"
-EV_SNAPSHOT: Final = "snapshot"
-EV_MODULES: Final = "modules"
-EV_MODULE_FP: Final = "mod"
-EV_AGENT_ERROR: Final = "agent_error"
-EV_DROP: Final = "drop"
-EV_STUCK: Final = "stuck"
-EV_ALIVE: Final = "alive"
-EV_END: Final = "end"
+# Events (the "type" field of a KIND_EVENT record): one TypedDict each, in events.py, from which
+# the key sets are derived. A tensor inside an event is an events.Tensor (a JSON list).
 
-EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
-    EV_RANK_START: frozenset(
-        {
-            "type",
-            "format_version",
-            "rank",
-            "world_size",
-            "local_rank",
-            "pid",
-            "host",
-            "argv",
-            "orig_argv",
-            "executable",
-            "cwd",
-            "env",
-            "versions",
-            "threads",
-            "determinism",
-            "script",
-            "policy",
-            "start_ns",
-            "fingerprint_algos",
-        }
-    ),
-    EV_PROCESS_GROUP: frozenset({"type", "pg", "name", "ranks", "backend", "size", "group_rank"}),
-    EV_COLLECTIVE: frozenset(
-        {"type", "seq", "step", "micro", "op", "pg", "reduce_op", "root", "t_ns", "dur_ns", "tensors"}
-    ),
-    EV_BATCH: frozenset({"type", "step", "micro", "index", "loader", "structure", "tensors"}),
-    EV_STEP: frozenset({"type", "step", "micro_steps", "colls", "params", "loss", "t_ns"}),
-    EV_RNG: frozenset({"type", "step", "states"}),
-    EV_SNAPSHOT: frozenset({"type", "step", "blob", "nbytes", "params"}),
-    EV_MODULES: frozenset({"type", "modules"}),
-    EV_MODULE_FP: frozenset({"type", "step", "micro", "idx", "name", "kind", "fp", "algo", "nonfinite"}),
-    EV_AGENT_ERROR: frozenset({"type", "where", "message", "traceback"}),
-    EV_DROP: frozenset({"type", "what", "count", "nbytes", "reason"}),
-    EV_STUCK: frozenset({"type", "seq", "step", "op", "pg", "t_ns", "waited_ns"}),
-    EV_ALIVE: frozenset({"type", "seq", "step", "t_ns"}),
-    EV_END: frozenset({"type", "reason", "steps", "colls", "t_ns", "counters"}),
-}
-# Keys an event may carry beyond EVENT_KEYS; readers tolerate only these extras.
-OPTIONAL_EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
-    EV_COLLECTIVE: frozenset({"extra", "async"}),
-    # the uncaught exception the process died of (repr), or null
-    EV_END: frozenset({"inflight", "exception"}),
-    # [agent hooks, writer thread] CPU ns so far: what recording has cost the process, by step
-    EV_STEP: frozenset({"cpu_ns"}),
-    # where recording stopped: the step and collective sequence number in progress
-    EV_AGENT_ERROR: frozenset({"step", "seq"}),
-    # wall-clock time (time.time_ns) of t_ns == 0, so that ranks' event times can be compared
-    EV_RANK_START: frozenset({"t0_wall_ns"}),
-}
 # A rank whose writer has had nothing to write for this long writes an `alive` event: a rank
 # killed while busy elsewhere still shows how far it got, and desync can tell "never issued"
 # from "not written yet".
 ALIVE_EVERY_NS: Final = 1_000_000_000
-
-# A tensor as recorded in coll/batch/step events: a JSON list with these fields, in order.
-# role: "i" (input, before the op) / "o" (output, after) / "" (batches, params).
-TENSOR_FIELDS: Final = ("role", "dtype", "shape", "fp", "algo", "nonfinite", "blob", "device")
-NO_BLOB: Final = -1
 
 # Fingerprint algorithms (see docs/trace-format.md#fingerprints); `algo` is one of these names.
 FP_ZLIB64: Final = "zlib64"  # CPU: crc32(bytes) << 32 | (sum of little-endian int64 words) mod 2**32
@@ -152,34 +151,8 @@ FINGERPRINT_ALGOS: Final = (FP_ZLIB64, FP_LIN64, FP_SK64)
 # faster than crc32), smaller ones zlib64 (fewer calls: the fixed cost dominates).
 SK64_MIN_BYTES: Final = 64 << 10
 
-# Collective ops as the c10d dispatcher names them (torch 2.4 .. 2.13). The trace stores the
-# name table per rank (attrs "op_names") so newer ops need no schema change.
-C10D_OPS: Final = (
-    "allgather_",
-    "_allgather_base_",
-    "allgather_coalesced_",
-    "allgather_into_tensor_coalesced_",
-    "reduce_scatter_",
-    "_reduce_scatter_base_",
-    "reduce_scatter_tensor_coalesced_",
-    "allreduce_",
-    "allreduce_coalesced_",
-    "broadcast_",
-    "reduce_",
-    "alltoall_",
-    "alltoall_base_",
-    "gather_",
-    "scatter_",
-    "send",
-    "recv_",
-    "recv_any_source_",
-    "barrier",
-)
-
-# Point-to-point ops: which side of the "tensors" argument they use.
-SEND_OPS: Final = frozenset({"send"})
-RECV_OPS: Final = frozenset({"recv_", "recv_any_source_"})
-P2P_OPS: Final = SEND_OPS | RECV_OPS
+# Collective ops: the table is ops.py. The trace stores the name table per rank (attrs
+# "op_names"), so newer ops need no schema change.
 
 # Environment variables recorded verbatim (after redaction) when set. Exact names, then prefixes.
 ENV_ALLOW: Final = frozenset(
@@ -211,3 +184,103 @@ ENV_ALLOW_PREFIXES: Final = ("NCCL_", "TORCH_", "CUDNN_", "FSDP_REPLAY_", "GLOO_
 # What replaces a secret in argv, env and run.json (a URL keeps all but its password). The rules
 # that decide what is a secret are in redact.py and docs/trace-format.md ("What is redacted").
 REDACTED: Final = "<redacted>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace (Zarr) layout: each rank group holds these tables, each a group of equal-length 1-D
+# column arrays (docs/trace-format.md#tables-and-columns).
+TABLES: dict[str, dict[str, str]] = {
+    "collectives": {
+        "seq": "int64",
+        "step": "int64",
+        "micro": "int32",
+        "op": "int16",
+        "pg": "int32",
+        "reduce_op": "int16",
+        "root": "int32",
+        "t_ns": "int64",
+        "dur_ns": "int64",
+        "tensor_start": "int64",
+        "tensor_count": "int32",
+    },
+    "tensors": {
+        "coll": "int64",
+        "role": "uint8",
+        "dtype": "int16",
+        "shape_start": "int64",
+        "ndim": "int16",
+        "nbytes": "int64",
+        "fp": "uint64",
+        "algo": "int16",
+        "nonfinite": "bool",
+        "payload": "int64",
+        "device": "int16",
+    },
+    "batches": {
+        "step": "int64",
+        "micro": "int32",
+        "index": "int64",
+        "loader": "int32",
+        "structure": "int32",
+        "tensor_start": "int64",
+        "tensor_count": "int32",
+    },
+    "batch_tensors": {
+        "batch": "int64",
+        "dtype": "int16",
+        "shape_start": "int64",
+        "ndim": "int16",
+        "nbytes": "int64",
+        "fp": "uint64",
+        "algo": "int16",
+        "nonfinite": "bool",
+        "payload": "int64",
+        "device": "int16",
+    },
+    "steps": {
+        "step": "int64",
+        "micro_steps": "int32",
+        "colls": "int64",
+        "t_ns": "int64",
+        "param_start": "int64",
+        "param_count": "int32",
+        "loss_start": "int64",
+        "loss_count": "int32",
+        "nonfinite": "bool",
+        "agent_cpu_ns": "int64",
+        "writer_cpu_ns": "int64",
+    },
+    "step_params": {"fp": "uint64", "nonfinite": "bool", "algo": "int16"},
+    "losses": {"value": "float64"},
+    "shapes": {"dim": "int64"},
+    "rng": {"step": "int64", "payload": "int64", "python": "int64", "torch": "int64", "numpy": "int64"},
+    "payloads": {"digest_hi": "uint64", "digest_lo": "uint64", "nbytes": "int64"},
+    "module_fps": {
+        "step": "int64",
+        "micro": "int32",
+        "idx": "int64",
+        "name": "int32",
+        "kind": "uint8",
+        "fp": "uint64",
+        "algo": "int16",
+        "nonfinite": "bool",
+    },
+}
+MODULE_KIND_CODES: Final = {"fwd": 0, "bwd": 1}
+MODULE_KINDS: Final = tuple(MODULE_KIND_CODES)  # code -> kind
+# tensors.role: the events' role letters as codes, and the codes' names in reports.
+ROLE_CODES: Final = {"i": 0, "o": 1, "": 2}
+ROLE_INPUT: Final = ROLE_CODES["i"]
+ROLE_OUTPUT: Final = ROLE_CODES["o"]
+ROLE_LETTERS: Final = {code: letter for letter, code in ROLE_CODES.items()}
+ROLE_NAMES: Final = {ROLE_INPUT: "input", ROLE_OUTPUT: "output", ROLE_CODES[""]: ""}
+
+
+def blob_path(digest: str) -> str:
+    """Where the blob of ``digest`` lives in the trace: ``blobs/<digest[:2]>/<digest>``."""
+    return f"{BLOBS_GROUP}/{digest[:2]}/{digest}"
+
+
+def digest_of(data: bytes | memoryview) -> str:
+    """A blob's name: BLAKE2b-128 of its bytes, 32 hex digits."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()

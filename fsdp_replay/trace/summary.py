@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from fsdp_replay.errors import TraceFormatError
+from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import RankTrace, Trace
 
 
@@ -38,11 +39,11 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
         for code, pg in zip(op_codes.tolist(), pgs.tolist(), strict=True):
             by_op[(ops[code], pg)] += 1
         role, coll, nbytes = t["role"], t["coll"], t["nbytes"]
-        out_mask = role == 1
+        out_mask = role == schema.ROLE_OUTPUT
         for code in np.unique(op_codes).tolist():
             mask = out_mask & (op_codes[coll] == code)
             bytes_by_op[ops[code]] = int(nbytes[mask].sum())
-    outs = t["role"] == 1 if n else np.zeros(0, dtype=bool)
+    outs = t["role"] == schema.ROLE_OUTPUT if n else np.zeros(0, dtype=bool)
     with_payload = outs & (t["payload"] >= 0) if n else outs
     payload_steps = sorted(set(c["step"][t["coll"][with_payload]].tolist())) if n else []
     losses = r.table("losses")["value"]

@@ -1,0 +1,235 @@
+"""The events of a spool, defined once: a TypedDict per event type, and the tensor entry.
+
+Each event is a JSON object whose ``type`` is one of the ``EV_*`` names below; its keys are
+exactly the TypedDict's required keys plus at most its optional ones. ``EVENT_KEYS`` and
+``OPTIONAL_EVENT_KEYS`` (re-exported by ``schema``) are derived from these types, so the types are
+the one definition that writers, the collector and readers share (``docs/trace-format.md``
+specifies each). A tensor inside an event is a ``Tensor``: a named tuple, written as a JSON list.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, NamedTuple, TypedDict
+
+EV_RANK_START: Final = "rank_start"
+EV_PROCESS_GROUP: Final = "pg"
+EV_COLLECTIVE: Final = "coll"
+EV_BATCH: Final = "batch"
+EV_STEP: Final = "step"
+EV_RNG: Final = "rng"
+EV_SNAPSHOT: Final = "snapshot"
+EV_MODULES: Final = "modules"
+EV_MODULE_FP: Final = "mod"
+EV_AGENT_ERROR: Final = "agent_error"
+EV_DROP: Final = "drop"
+EV_STUCK: Final = "stuck"
+EV_ALIVE: Final = "alive"
+EV_END: Final = "end"
+
+
+class Tensor(NamedTuple):
+    """A tensor as coll, batch and snapshot events record it (a JSON list in this order)."""
+
+    role: str
+    """``"i"`` (an input, before the op), ``"o"`` (an output, after it), ``""`` (batches, params)."""
+    dtype: str
+    shape: list[int]
+    fp: Any
+    """The fingerprint (an int once written; a pending device value while in the agent)."""
+    algo: str
+    nonfinite: Any
+    blob: Any
+    """The spool blob id of its bytes, or ``NO_BLOB``."""
+    device: str
+
+
+TENSOR_FIELDS: Final = Tensor._fields
+NO_BLOB: Final = -1
+
+
+class _RankStart(TypedDict):
+    type: str
+    format_version: int
+    rank: int
+    world_size: int
+    local_rank: int
+    pid: int
+    host: str
+    argv: list[str]
+    orig_argv: list[str]
+    executable: str
+    cwd: str
+    env: dict[str, str]
+    versions: dict[str, Any]
+    threads: dict[str, Any]
+    determinism: dict[str, Any]
+    script: dict[str, Any]
+    policy: dict[str, Any]
+    start_ns: int
+    fingerprint_algos: dict[str, Any]
+
+
+class RankStart(_RankStart, total=False):
+    t0_wall_ns: int
+    """Wall-clock ns of the rank's ``t_ns == 0`` (format 3)."""
+
+
+class ProcessGroup(TypedDict):
+    type: str
+    pg: int
+    name: str
+    ranks: list[int]
+    backend: str
+    size: int
+    group_rank: int
+
+
+# "async" is a keyword: the optional keys are declared in the functional form, as a base.
+_CollOptional = TypedDict("_CollOptional", {"extra": dict[str, Any], "async": bool}, total=False)
+
+
+class Coll(_CollOptional):
+    type: str
+    seq: int
+    step: int
+    micro: int
+    op: str
+    pg: int
+    reduce_op: str | None
+    root: int | None
+    t_ns: int
+    dur_ns: int
+    tensors: list[Tensor]
+
+
+class Batch(TypedDict):
+    type: str
+    step: int
+    micro: int
+    index: int
+    loader: int
+    structure: Any
+    tensors: list[Tensor]
+
+
+class _Step(TypedDict):
+    type: str
+    step: int
+    micro_steps: int
+    colls: int
+    params: list[list[Any]]
+    loss: list[float]
+    t_ns: int
+
+
+class Step(_Step, total=False):
+    cpu_ns: list[int]
+    """``[agent hooks, writer]``: cumulative CPU ns recording has cost the rank."""
+    counters: dict[str, int]
+    """The agent's counters so far (``agent/counters.py``), for the sidecar's metrics."""
+
+
+class Rng(TypedDict):
+    type: str
+    step: int
+    states: dict[str, Any]
+
+
+class Snapshot(TypedDict):
+    type: str
+    step: int
+    blob: int
+    nbytes: int
+    params: list[list[Any]]
+
+
+class Modules(TypedDict):
+    type: str
+    modules: list[dict[str, Any]]
+
+
+class ModuleFp(TypedDict):
+    type: str
+    step: int
+    micro: int
+    idx: int
+    name: str
+    kind: str
+    fp: int
+    algo: str
+    nonfinite: bool
+
+
+class _AgentError(TypedDict):
+    type: str
+    where: str
+    message: str
+    traceback: str
+
+
+class AgentError(_AgentError, total=False):
+    step: int
+    seq: int
+
+
+class Drop(TypedDict):
+    type: str
+    what: str
+    count: int
+    nbytes: int
+    reason: str
+
+
+class Stuck(TypedDict):
+    type: str
+    seq: int
+    step: int
+    op: str
+    pg: int
+    t_ns: int
+    waited_ns: int
+
+
+class Alive(TypedDict):
+    type: str
+    seq: int
+    step: int
+    t_ns: int
+
+
+class _End(TypedDict):
+    type: str
+    reason: str
+    steps: int
+    colls: int
+    t_ns: int
+    counters: dict[str, int]
+
+
+class End(_End, total=False):
+    inflight: dict[str, Any] | None
+    exception: str | None
+
+
+EVENT_TYPES: Final[dict[str, Any]] = {
+    EV_RANK_START: RankStart,
+    EV_PROCESS_GROUP: ProcessGroup,
+    EV_COLLECTIVE: Coll,
+    EV_BATCH: Batch,
+    EV_STEP: Step,
+    EV_RNG: Rng,
+    EV_SNAPSHOT: Snapshot,
+    EV_MODULES: Modules,
+    EV_MODULE_FP: ModuleFp,
+    EV_AGENT_ERROR: AgentError,
+    EV_DROP: Drop,
+    EV_STUCK: Stuck,
+    EV_ALIVE: Alive,
+    EV_END: End,
+}
+EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
+    ev: frozenset(t.__required_keys__) for ev, t in EVENT_TYPES.items()
+}
+OPTIONAL_EVENT_KEYS: Final[dict[str, frozenset[str]]] = {
+    ev: frozenset(t.__optional_keys__) for ev, t in EVENT_TYPES.items() if t.__optional_keys__
+}
