@@ -201,8 +201,8 @@ def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[dict[str, Any],
 def agent_cpu_ms_per_step(run_dir: Path, warmup: int) -> tuple[float, float] | None:
     """The agent's own account of its CPU cost in the steady state: (hooks, writer thread) ms per
     step, the trace's ``recording_cost`` per rank after the warm-up steps, mean over ranks."""
+    from fsdp_replay.analysis.summary import recording_cost
     from fsdp_replay.trace.reader import Trace
-    from fsdp_replay.trace.summary import recording_cost
 
     trace = Trace.open(str(run_dir / "trace.zarr"))
     costs = [recording_cost(trace.rank(rank), warmup) for rank in trace.ranks]

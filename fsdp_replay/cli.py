@@ -226,8 +226,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 # -- inspect ----------------------------------------------------------------------------------
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from fsdp_replay.analysis.summary import summarize
     from fsdp_replay.trace.reader import Trace
-    from fsdp_replay.trace.summary import summarize
 
     trace = Trace.open(resolve_trace(args.trace))
     ranks = [args.rank] if args.rank is not None else None
@@ -315,7 +315,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _finish_report(report_path: Path, code: int, notes: list[str]) -> int:
-    from fsdp_replay.replayer.report import plot, render_text
+    from fsdp_replay.analysis.plots import plot_replay as plot
+    from fsdp_replay.replayer.report import render_text
 
     if not report_path.is_file():
         print(

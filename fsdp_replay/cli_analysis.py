@@ -58,7 +58,8 @@ def _dash(x: Any) -> str:
 
 # -- nan ---------------------------------------------------------------------------------------
 def cmd_nan(args: argparse.Namespace) -> int:
-    from fsdp_replay.replayer.analysis import describe_nonfinite, nonfinite_origin, record_notes
+    from fsdp_replay.analysis.columns import record_notes
+    from fsdp_replay.analysis.nonfinite import describe_nonfinite, nonfinite_origin
 
     trace = _open(args.trace)
     origin = nonfinite_origin(trace)
@@ -95,7 +96,7 @@ def _entry(e: dict[str, Any] | None) -> str:
 
 
 def cmd_desync(args: argparse.Namespace) -> int:
-    from fsdp_replay.replayer.analysis import desync_report
+    from fsdp_replay.analysis.desync import desync_report
 
     trace = _open(args.trace)
     rep = desync_report(trace)
@@ -175,7 +176,8 @@ def _event_lines(ev: dict[str, Any]) -> list[str]:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from fsdp_replay.replayer.diff import diff_traces, plot_drift
+    from fsdp_replay.analysis.diff import diff_traces
+    from fsdp_replay.analysis.plots import plot_drift
 
     a, b = _open(args.trace_a), _open(args.trace_b)
     res = diff_traces(a, b, [args.rank] if args.rank is not None else None)

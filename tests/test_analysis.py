@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 from harness import CLI, EXAMPLE, REPO, child_env, record, torchrun_cmd
 
+from fsdp_replay.analysis.desync import desync_report
+from fsdp_replay.analysis.diff import diff_traces
+from fsdp_replay.analysis.nonfinite import nonfinite_origin
+from fsdp_replay.analysis.payloads import decode, magnitude
+from fsdp_replay.analysis.plots import plot_drift
 from fsdp_replay.cli_analysis import _jsonable, register
-from fsdp_replay.replayer.analysis import desync_report, nonfinite_origin
-from fsdp_replay.replayer.diff import decode, diff_traces, magnitude, plot_drift
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
 
@@ -49,7 +52,7 @@ def open_trace(run_dir: Path) -> Trace:
 # -- fast ---------------------------------------------------------------------------------------
 def test_analysis_never_imports_torch() -> None:
     code = (
-        "import sys, fsdp_replay.replayer.analysis, fsdp_replay.replayer.diff, fsdp_replay.cli_analysis; "
+        "import sys, fsdp_replay.analysis.desync, fsdp_replay.analysis.diff, fsdp_replay.analysis.nonfinite, fsdp_replay.analysis.summary, fsdp_replay.cli_analysis; "
         "assert 'torch' not in sys.modules, 'torch imported'; assert 'matplotlib' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=child_env())

@@ -17,9 +17,9 @@ import psutil
 import pytest
 from harness import CLI, EXAMPLE, REPO, assert_same_params, child_env, record, run, torchrun_cmd, train
 
+from fsdp_replay.analysis.summary import rank_summary, recording_cost
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
-from fsdp_replay.trace.summary import rank_summary, recording_cost
 
 WORKLOADS = Path(__file__).parent / "workloads"
 SMALL = ("--steps", "6", "--layers", "2", "--d-model", "64", "--seq-len", "32")

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
+from fsdp_replay.analysis.payloads import magnitude as payload_magnitude
 
 KIND_TEXT = {
     "collective_input": "a collective's input differs",
@@ -52,34 +51,15 @@ class Divergence:
         return d
 
 
-def magnitude(expected: Any, actual: Any) -> dict[str, Any]:
-    """How far two same-shaped tensors are apart (max abs/rel difference, count, first index)."""
+def magnitude(expected: Any, actual: Any) -> dict[str, Any] | None:
+    """How far the replay's tensor (``actual``) is from the recorded one (``expected``): the one
+    ``analysis.payloads.magnitude``, on their bytes (``a`` is the record, ``b`` the replay)."""
     import torch
 
-    e = expected.detach().to("cpu", torch.float64).reshape(-1).numpy()
-    a = actual.detach().to("cpu", torch.float64).reshape(-1).numpy()
-    if e.shape != a.shape:
-        return {"shape_mismatch": [int(e.size), int(a.size)]}
-    eb = expected.detach().cpu().contiguous().view(torch.uint8).reshape(e.size, -1) if e.size else None
-    ab = actual.detach().cpu().contiguous().view(torch.uint8).reshape(a.size, -1) if a.size else None
-    if eb is None or ab is None:
-        return {"differing": 0, "numel": 0}
-    differ = (eb != ab).any(dim=1).numpy()
-    n = int(differ.sum())
-    out: dict[str, Any] = {"differing": n, "numel": int(e.size)}
-    if n:
-        idx = int(np.argmax(differ))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            diff = np.abs(a - e)
-            rel = diff / np.maximum(np.abs(e), np.finfo(np.float64).tiny)
-        out.update(
-            first_index=idx,
-            expected_at_first=float(e[idx]),
-            actual_at_first=float(a[idx]),
-            max_abs=float(np.nanmax(diff)) if np.isfinite(diff).any() else float("nan"),
-            max_rel=float(np.nanmax(rel)) if np.isfinite(rel).any() else float("nan"),
-        )
-    return out
+    def raw(t: Any) -> bytes:
+        return bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+    return payload_magnitude(raw(expected), raw(actual), str(actual.dtype).removeprefix("torch."))
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -115,11 +95,15 @@ def render_text(report: dict[str, Any]) -> str:
         if d.get("expected_fp"):
             lines.append(f"    fingerprint: recorded {d['expected_fp']}, replay {d['actual_fp']}")
         m = d.get("magnitude")
-        if m and m.get("differing"):
+        if m and m.get("n_differing"):
+            spread = (
+                f"; max abs {m['max_abs_diff']:.3g}, max rel {m['max_rel_diff']:.3g}"
+                if m.get("max_abs_diff") is not None
+                else ""
+            )
             lines.append(
-                f"    {m['differing']} of {m['numel']} elements differ; max abs {m['max_abs']:.3g}, "
-                f"max rel {m['max_rel']:.3g}; first at index {m['first_index']} (recorded "
-                f"{m['expected_at_first']!r}, replay {m['actual_at_first']!r})"
+                f"    {m['n_differing']} of {m['numel']} elements differ{spread}; first at index "
+                f"{m['first_index']} (recorded {m['a_value']!r}, replay {m['b_value']!r})"
             )
         if d.get("detail"):
             lines.append(f"    {d['detail']}")
@@ -151,35 +135,6 @@ def render_text(report: dict[str, Any]) -> str:
     for n in report.get("notes", []):
         lines.append(f"  note: {n}")
     return "\n".join(lines) + "\n"
-
-
-def plot(report: dict[str, Any], path: Path) -> bool:
-    """Collectives replayed per step, verified steps in green, the divergent step in red."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    per_step = {int(k): v for k, v in (report.get("collectives_per_step") or {}).items()}
-    verified = set(report.get("verified_steps") or [])
-    d = report.get("first_divergence")
-    steps = sorted(per_step)
-    colors = [
-        "tab:red" if d and s == d["step"] else ("tab:green" if s in verified else "tab:gray") for s in steps
-    ]
-    fig, ax = plt.subplots(figsize=(8, 3))
-    ax.bar(steps, [per_step[s] for s in steps], color=colors)
-    if d:
-        ax.axvline(d["step"], color="tab:red", linestyle="--")
-    ax.set_xlabel("step")
-    ax.set_ylabel("collectives")
-    ax.set_title(f"replay of rank {report.get('rank')}: {report.get('status')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
 
 
 def merge_reports(reports: list[dict[str, Any]], world: int) -> dict[str, Any]:

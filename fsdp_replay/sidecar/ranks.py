@@ -6,7 +6,7 @@ agent measured (``step.cpu_ns``: [agent hooks ns, writer ns], cumulative per pro
 counters, stuck collectives and the time of the last record. Nothing here reads files or knows
 Prometheus; every value is a plain number, so the unit tests compute them by hand.
 
-The per-step cost is the statistic ``fsdp-replay inspect`` reports (``trace.summary.recording_cost``),
+The per-step cost is the statistic ``fsdp-replay inspect`` reports (``analysis.summary.recording_cost``),
 replicated exactly rather than approximated, so the two can be compared to the last bit: the median
 of the increments of the cumulative ``cpu_ns`` between consecutive ``step`` events in spool order
 (the collector's order), over the steps from ``skip_steps`` on, with ``-1`` for a step without

@@ -1,5 +1,5 @@
 """The sidecar's metrics: the collector's output for synthetic spools (values computed by hand), the
-per-step cost against trace.summary.recording_cost on collected traces, NCCL counting from real
+per-step cost against analysis.summary.recording_cost on collected traces, NCCL counting from real
 call records, process usage from real processes, and the HTTP server."""
 
 from __future__ import annotations
@@ -229,9 +229,9 @@ def _collect_cost(
 ) -> None:
     """One rank's steps through a real spool, collected into a real trace: the sidecar's figure must
     equal summary.recording_cost's, to the bit."""
+    from fsdp_replay.analysis.summary import recording_cost
     from fsdp_replay.trace.collect import collect
     from fsdp_replay.trace.reader import Trace
-    from fsdp_replay.trace.summary import recording_cost
 
     root = tmp_path / "spool"
     w = SpoolWriter(spool.rank_dir(root, 0), 0)
