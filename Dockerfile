@@ -54,7 +54,7 @@ RUN /opt/build/bin/pip wheel -q --disable-pip-version-check --no-deps --no-build
         -w /wheels /src \
     && python3 -c 'import sys, zipfile, glob; (w,) = glob.glob("/wheels/*.whl"); \
 names = zipfile.ZipFile(w).namelist(); \
-sys.exit(0 if any(n.startswith("fsdp_replay/agent/_fpcore") and n.endswith(".so") for n in names) \
+sys.exit(0 if any(n.startswith("fsdp_replay/agent/fingerprint/_fpcore") and n.endswith(".so") for n in names) \
 else "the wheel lacks the native fingerprint core (_fpcore*.so)")'
 
 # ---- agent-payload ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml setup.py fsdp_replay/agent/_fpcore.c
+$(STAMP): pyproject.toml setup.py fsdp_replay/agent/fingerprint/_fpcore.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)" numpy

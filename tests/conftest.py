@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _use_fp_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    from fsdp_replay.agent import native
+    from fsdp_replay.agent.fingerprint import native
 
     if impl == "torch":
         monkeypatch.setenv(native.ENV_DISABLE, "0")

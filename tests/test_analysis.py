@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import subprocess
@@ -10,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from fsdp_replay.analysis.diff import diff_traces
 from fsdp_replay.analysis.nonfinite import nonfinite_origin
 from fsdp_replay.analysis.payloads import decode, magnitude
 from fsdp_replay.analysis.plots import plot_drift
-from fsdp_replay.cli_analysis import _jsonable, register
+from fsdp_replay.cli.render import jsonable as _jsonable
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
 
@@ -33,15 +31,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     """Run ``fsdp-replay ARGV`` in process (main() maps errors to exit codes); (code, stdout)."""
-    from fsdp_replay import cli as main_cli
+    from fsdp_replay.cli import main
 
-    parser = main_cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "nan" not in sub.choices:  # until cli.py registers them itself
-        register(sub)
     capsys.readouterr()
-    with patch.object(main_cli, "build_parser", return_value=parser):
-        code = main_cli.main(list(argv))
+    code = main(list(argv))
     return code, " ".join(capsys.readouterr().out.split())
 
 
@@ -52,7 +45,7 @@ def open_trace(run_dir: Path) -> Trace:
 # -- fast ---------------------------------------------------------------------------------------
 def test_analysis_never_imports_torch() -> None:
     code = (
-        "import sys, fsdp_replay.analysis.desync, fsdp_replay.analysis.diff, fsdp_replay.analysis.nonfinite, fsdp_replay.analysis.summary, fsdp_replay.cli_analysis; "
+        "import sys, fsdp_replay.analysis.desync, fsdp_replay.analysis.diff, fsdp_replay.analysis.nonfinite, fsdp_replay.analysis.summary, fsdp_replay.cli.analyze; "
         "assert 'torch' not in sys.modules, 'torch imported'; assert 'matplotlib' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=child_env())

@@ -1,4 +1,4 @@
-"""The C++ kernel for the hot CPU collectives (``fsdp_replay/agent/_kernel.cpp``; ``record`` uses
+"""The C++ kernel for the hot CPU collectives (``fsdp_replay/agent/cxx/_kernel.cpp``; ``record`` uses
 it for runs that store no payloads): it writes the same events as the Python kernels, leaves the program's
 results alone, hands what it does not take to the Python kernels, and stops recording cleanly on
 its own errors."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 from harness import CLI, assert_same_params, record, run
 
-from fsdp_replay.agent import kernel
+from fsdp_replay.agent.cxx import kernel
 from fsdp_replay.trace.reader import RankTrace, Trace
 
 pytestmark = pytest.mark.cxx

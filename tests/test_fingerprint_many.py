@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_replay.agent import fingerprint as fpm
 from fsdp_replay.agent.fingerprint import fingerprint, fingerprint_many
+from fsdp_replay.agent.fingerprint import many as fpm
 from fsdp_replay.trace import fingerprint as ref
 
 SIZES = (0, 1, 2, 3, 1023, 1024, 1025, 5000)

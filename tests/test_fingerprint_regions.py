@@ -50,7 +50,8 @@ def test_region_of_refuses_what_it_cannot_share(torch_fp: str) -> None:
 def test_the_device_path_packs_the_same_values() -> None:
     """The sketch a GPU computes (three reductions, one host buffer) gives the CPU's values; run
     here on CPU tensors, and on CUDA by the gpu test below."""
-    from fsdp_replay.agent.fingerprint import _DeviceSketch, _sketch_sums, nbytes_of
+    from fsdp_replay.agent.fingerprint import nbytes_of
+    from fsdp_replay.agent.fingerprint.tensor import _DeviceSketch, _sketch_sums
 
     def _sk64_on_device(t: torch.Tensor, slices: int = 1) -> _DeviceSketch | None:
         sums = _sketch_sums(t, slices)

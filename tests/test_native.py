@@ -1,4 +1,4 @@
-"""The native fingerprint core (``fsdp_replay/agent/_fpcore.c``, loaded with ctypes).
+"""The native fingerprint core (``fsdp_replay/agent/fingerprint/_fpcore.c``, loaded with ctypes).
 
 Its values must be the numpy reference's (``fsdp_replay.trace.fingerprint``) for any length,
 alignment, dtype and number of slices; the agent must fall back to torch where it does not apply.
@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_replay.agent import native
-from fsdp_replay.agent.fingerprint import fingerprint, fingerprint_with_region, region_of
+from fsdp_replay.agent.fingerprint import fingerprint, fingerprint_with_region, native, region_of
 from fsdp_replay.trace import fingerprint as ref
 
 
@@ -212,7 +211,7 @@ def test_a_library_of_another_version_is_not_used(
 ) -> None:
     monkeypatch.setattr(native, "_ABI", 1)
     native.reload()
-    with caplog.at_level(logging.WARNING, logger="fsdp_replay.agent.native"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_replay.agent.fingerprint.native"):
         assert native.core() is None
     assert "from another version" in caplog.text
     monkeypatch.undo()
@@ -226,7 +225,7 @@ def test_a_freed_storage_raises_instead_of_crashing(native_core: str) -> None:
     child process, so that a crash fails this test instead of ending the test run."""
     code = (
         "import torch\n"
-        "from fsdp_replay.agent import native\n"
+        "from fsdp_replay.agent.fingerprint import native\n"
         "from fsdp_replay.agent.fingerprint import fingerprint, fingerprint_many\n"
         "t = torch.randn(1000)\n"
         "t.untyped_storage().resize_(0)\n"

@@ -1,19 +1,20 @@
-"""Agent options, read once from the environment at start-up (never at import time).
+"""The recording agent's options, read once from the environment at start-up (never at import time).
 
 Every option is an ``FSDP_REPLAY_*`` variable, which is how ``fsdp-replay record`` and the
-Kubernetes injector configure a process without touching its command line.
+Kubernetes injector configure a process without touching its command line. The replayer's options
+are ``replayer/config.py``; ``boot/attach.py`` picks one by ``FSDP_REPLAY_MODE``.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from fsdp_replay import options
 from fsdp_replay.errors import ConfigError
 
-ENV_PREFIX = "FSDP_REPLAY_"
+ENV_PREFIX = options.ENV_PREFIX
 MODES = ("off", "record", "replay")
 
 
@@ -66,37 +67,26 @@ class StepSet:
         )
 
 
-def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
-    raw = env.get(ENV_PREFIX + name)
-    if raw is None or raw == "":
-        return default
+def _step_set(var: str, raw: str) -> StepSet:
     try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{ENV_PREFIX}{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ConfigError(f"{ENV_PREFIX}{name}={value} must be >= {minimum}")
-    return value
+        return StepSet.parse(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{var}: {e}") from None
 
 
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(ENV_PREFIX + name)
-    if raw is None or raw == "":
-        return default
-    if raw.lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{ENV_PREFIX}{name}={raw!r} is not a boolean (use 1 or 0)")
+def _non_negative(var: str, raw: str) -> int:
+    return options.parse_int(var, raw, minimum=0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class AgentConfig:
-    mode: str = "off"
-    """off, record or replay."""
+class RecordConfig:
+    """What the agent records, read from ``FSDP_REPLAY_*`` by ``from_env`` (``record`` writes them)."""
+
+    mode: str = "record"
+    """Always ``record`` (``FSDP_REPLAY_MODE`` chooses the config: ``boot/attach.py``)."""
     out: str = ""
     """The run folder: spools go to OUT/spool, the trace to OUT/trace.zarr."""
-    payloads: StepSet = field(default_factory=StepSet)
+    payloads: StepSet = field(default_factory=lambda: StepSet(everything=True))
     """Steps whose collective outputs and batches are stored (``none``, ``all``, ``steps:SPEC``)."""
     payload_inputs: bool = False
     """Also store collective inputs (outputs alone suffice for replay)."""
@@ -110,74 +100,41 @@ class AgentConfig:
     """Payload bytes waiting for the writer beyond which new payloads are dropped (and counted)."""
     reserve_bytes: int = 16 << 20
     """Disk space held back per rank for metadata, released when payloads fill the disk."""
-    cxx_kernel: str = ""
-    """The C++ kernel library (``kernel.py``) that records the hot CPU collectives, or empty."""
+    cxx_kernel_lib: str = ""
+    """The C++ kernel library (``agent/cxx/kernel.py``) that records the hot CPU collectives, or empty."""
     inject_fault: str = ""
     """Testing only: ``WHERE:N`` raises inside the agent at the N-th call of WHERE."""
-    # Replay mode (set by `fsdp-replay replay`).
-    trace: str = ""
-    """The trace to replay from."""
-    rank: int = 0
-    """The recorded rank this process replays."""
-    from_step: int = 0
-    """Verify from this step on (restoring the latest snapshot at or before it)."""
-    to_step: int = -1
-    """Stop after this step (-1: run the program to its end)."""
-    report: str = ""
-    """Folder for report.json."""
-    live: bool = False
-    """All-rank replay: collectives run for real (torchrun) and are compared with the record."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"{ENV_PREFIX}MODE={self.mode!r}: expected one of {', '.join(MODES)}")
-        if self.mode == "record" and not self.out:
+        if self.mode != "record":
+            raise ConfigError(f"{ENV_PREFIX}MODE={self.mode!r}: a RecordConfig records")
+        if not self.out:
             raise ConfigError(f"{ENV_PREFIX}OUT must name the run folder when {ENV_PREFIX}MODE=record")
-        if self.mode == "replay" and not (self.trace and self.report):
-            raise ConfigError(
-                f"{ENV_PREFIX}TRACE and {ENV_PREFIX}REPORT are needed when {ENV_PREFIX}MODE=replay"
-            )
+        if self.max_pending_bytes < 1:
+            raise ConfigError(f"{ENV_PREFIX}MAX_PENDING_BYTES={self.max_pending_bytes} must be >= 1")
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "off"
+        return True
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> AgentConfig:
-        env = os.environ if env is None else env
-        return cls(
-            mode=env.get(ENV_PREFIX + "MODE", "off") or "off",
-            out=env.get(ENV_PREFIX + "OUT", ""),
-            payloads=StepSet.parse(env.get(ENV_PREFIX + "PAYLOADS", "all")),
-            payload_inputs=_bool(env, "PAYLOAD_INPUTS", False),
-            module_fingerprints=StepSet.parse(env.get(ENV_PREFIX + "MODULE_FINGERPRINTS", "none")),
-            snapshot_every=_int(env, "SNAPSHOT_EVERY", 0),
-            sync_steps=_bool(env, "SYNC_STEPS", True),
-            max_pending_bytes=_int(env, "MAX_PENDING_BYTES", 1 << 30, minimum=1),
-            reserve_bytes=_int(env, "RESERVE_BYTES", 16 << 20),
-            cxx_kernel=env.get(ENV_PREFIX + "CXX_KERNEL_LIB", ""),
-            inject_fault=env.get(ENV_PREFIX + "INJECT_FAULT", ""),
-            trace=env.get(ENV_PREFIX + "TRACE", ""),
-            rank=_int(env, "RANK", 0),
-            from_step=_int(env, "FROM_STEP", 0),
-            to_step=_int(env, "TO_STEP", -1, minimum=-1),
-            report=env.get(ENV_PREFIX + "REPORT", ""),
-            live=_bool(env, "LIVE", False),
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RecordConfig:
+        config: RecordConfig = options.from_env(
+            cls,
+            ENV_PREFIX,
+            env,
+            parsers={
+                "payloads": _step_set,
+                "module_fingerprints": _step_set,
+                "snapshot_every": _non_negative,
+                "reserve_bytes": _non_negative,
+            },
         )
+        return config
 
     def to_env(self) -> dict[str, str]:
         """The environment that makes a child process's agent use this config."""
-        if self.mode == "replay":
-            return {
-                ENV_PREFIX + "MODE": self.mode,
-                ENV_PREFIX + "TRACE": self.trace,
-                ENV_PREFIX + "RANK": str(self.rank),
-                ENV_PREFIX + "FROM_STEP": str(self.from_step),
-                ENV_PREFIX + "TO_STEP": str(self.to_step),
-                ENV_PREFIX + "REPORT": self.report,
-                ENV_PREFIX + "LIVE": "1" if self.live else "0",
-            }
-        return {
+        env = {
             ENV_PREFIX + "MODE": self.mode,
             ENV_PREFIX + "OUT": self.out,
             ENV_PREFIX + "PAYLOADS": str(self.payloads),
@@ -187,5 +144,7 @@ class AgentConfig:
             ENV_PREFIX + "SYNC_STEPS": "1" if self.sync_steps else "0",
             ENV_PREFIX + "MAX_PENDING_BYTES": str(self.max_pending_bytes),
             ENV_PREFIX + "RESERVE_BYTES": str(self.reserve_bytes),
-            **({ENV_PREFIX + "CXX_KERNEL_LIB": self.cxx_kernel} if self.cxx_kernel else {}),
         }
+        if self.cxx_kernel_lib:
+            env[ENV_PREFIX + "CXX_KERNEL_LIB"] = self.cxx_kernel_lib
+        return env

@@ -23,7 +23,7 @@ from torch.optim import optimizer as optim_module
 from torch.utils.data import dataloader
 
 from fsdp_replay.agent.collectives import CollectiveInterceptor, Handler
-from fsdp_replay.agent.kernel import DRAIN_AT
+from fsdp_replay.agent.cxx.kernel import DRAIN_AT
 
 
 class Guarded:

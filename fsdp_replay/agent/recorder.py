@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_replay.agent import capture, native
+from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import (
     DEFERRABLE_OPS,
     P2P_OPS,
@@ -33,18 +33,19 @@ from fsdp_replay.agent.collectives import (
     wait_result,
     work_of,
 )
-from fsdp_replay.agent.config import AgentConfig
+from fsdp_replay.agent.config import RecordConfig
+from fsdp_replay.agent.cxx.kernel import DTYPES as KERNEL_DTYPES
+from fsdp_replay.agent.cxx.kernel import OPS as KERNEL_OPS
+from fsdp_replay.agent.cxx.kernel import Kernel, KernelError
 from fsdp_replay.agent.fingerprint import (
     fingerprint,
     fingerprint_many,
     fingerprint_with_region,
     host_values,
+    native,
     nbytes_of,
     region_of,
 )
-from fsdp_replay.agent.kernel import DTYPES as KERNEL_DTYPES
-from fsdp_replay.agent.kernel import OPS as KERNEL_OPS
-from fsdp_replay.agent.kernel import Kernel, KernelError
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.spool import SpoolWriter, rank_dir
@@ -140,7 +141,7 @@ class Recorder:
     step = property(lambda self: self._st.step, lambda self, v: setattr(self._st, "step", v))
     micro = property(lambda self: self._st.micro, lambda self, v: setattr(self._st, "micro", v))
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: RecordConfig) -> None:
         self.config = config
         self.pid = os.getpid()
         self.recording = True
@@ -396,7 +397,7 @@ class Recorder:
     def attach_kernel(self) -> Callable[[], None] | None:
         """Let the C++ kernel (``kernel.py``) record the hot CPU collectives, where configured and
         the policy stores no payloads; returns how to detach it, or None where it is not used."""
-        path = self.config.cxx_kernel
+        path = self.config.cxx_kernel_lib
         if not path:
             return None
         if not self.config.payloads.empty or self.config.payload_inputs:

@@ -82,20 +82,37 @@ def _describe(e: BaseException) -> str:
     return str(e) if isinstance(e, FsdpReplayError) else f"internal error: {e!r}"
 
 
+def config_from_env(env: Any = None) -> Any:
+    """The config of the mode ``FSDP_REPLAY_MODE`` names: a RecordConfig, a ReplayConfig, or None."""
+    env = os.environ if env is None else env
+    mode = env.get("FSDP_REPLAY_MODE", "off") or "off"
+    if mode == "record":
+        from fsdp_replay.agent.config import RecordConfig
+
+        return RecordConfig.from_env(env)
+    if mode == "replay":
+        from fsdp_replay.replayer.config import ReplayConfig
+
+        return ReplayConfig.from_env(env)
+    if mode != "off":
+        from fsdp_replay.errors import ConfigError
+
+        raise ConfigError(f"FSDP_REPLAY_MODE={mode!r}: expected off, record or replay")
+    return None
+
+
 def activate() -> None:
     """Called by sitecustomize when FSDP_REPLAY_MODE is set. In record mode it never raises and
     never stops the program; in replay mode any failure to attach ends the process (exit 3)."""
     replaying = os.environ.get("FSDP_REPLAY_MODE") == "replay"
     try:
-        from fsdp_replay.agent.config import AgentConfig
-
-        config = AgentConfig.from_env()
+        config = config_from_env()
     except Exception as e:  # a bad option must not stop the program from starting
         if replaying:
             refuse_replay(f"bad replay settings: {_describe(e)}", os.environ.get("FSDP_REPLAY_REPORT"))
         log.warning("fsdp-replay: agent disabled: %s", e)
         return
-    if not config.enabled:
+    if config is None:
         return
     if "multiprocessing-fork" in " ".join(sys.argv):
         return  # a multiprocessing child (spawn/forkserver): its parent is the rank

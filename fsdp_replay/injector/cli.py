@@ -17,60 +17,27 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, fields
 from typing import Any
 
+from fsdp_replay import options
 from fsdp_replay.errors import ConfigError
-from fsdp_replay.injector.config import InjectorConfig, env_name, field_docs, parse_bool
+from fsdp_replay.injector.config import ENV_PREFIX, InjectorConfig, env_name, parse_bool
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_BAD_INPUT = 3
 SERVER_ONLY = frozenset({"tls_cert_file", "tls_key_file", "listen_address", "port", "log_level"})
-_DEST = "config_"  # argparse dest prefix of the config fields
-
-
-def add_env_option(
-    parser: argparse.ArgumentParser, name: str, *, kind: str, help: str, default: object = None
-) -> None:
-    """``--name`` for option ``name``, also read from ``FSDP_REPLAY_INJECTOR_NAME`` (the flag wins).
-
-    The flag's value stays None when not given, so the environment (or the default) applies.
-    """
-    text = f"{help} (env {env_name(name)}" + ("" if default in (None, "") else f"; default {default}") + ")"
-    flag = "--" + name.replace("_", "-")
-    if kind == "bool":
-        parser.add_argument(
-            flag, action=argparse.BooleanOptionalAction, default=None, dest=_DEST + name, help=text
-        )
-    else:
-        parser.add_argument(
-            flag,
-            type=int if kind == "int" else str,
-            default=None,
-            dest=_DEST + name,
-            metavar=name.upper(),
-            help=text,
-        )
 
 
 def add_config_options(parser: argparse.ArgumentParser, *, server: bool) -> None:
-    docs = field_docs(InjectorConfig)
-    for f in fields(InjectorConfig):
-        if f.name in SERVER_ONLY and not server:
-            continue
-        default = f.default if f.default is not MISSING else None
-        add_env_option(parser, f.name, kind=str(f.type), help=docs.get(f.name, ""), default=default)
+    options.add_config_options(
+        parser, InjectorConfig, ENV_PREFIX, skip=frozenset() if server else SERVER_ONLY
+    )
 
 
 def option_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` with every option given as a flag written over it, under its variable's name."""
-    env = dict(environ)
-    for key, value in vars(args).items():
-        if key.startswith(_DEST) and value is not None:
-            name = key.removeprefix(_DEST)
-            env[env_name(name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
-    return env
+    return options.option_env(args, environ, ENV_PREFIX)
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> InjectorConfig:
@@ -157,12 +124,13 @@ def register(subparsers: Any) -> None:
         "injected. Other documents are printed unchanged; warnings go to stderr.",
     )
     i.add_argument("-f", "--filename", required=True, help="the manifest file, or - for stdin")
-    add_env_option(
-        i,
-        "namespace_default",
-        kind="bool",
+    i.add_argument(
+        "--namespace-default",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        dest="config_namespace_default",
         help="inject pods without the record annotation too, as in a namespace labelled "
-        "<prefix>/record=enabled",
+        f"<prefix>/record=enabled (env {env_name('namespace_default')})",
     )
     add_config_options(i, server=False)
     i.set_defaults(func=cmd_inject)

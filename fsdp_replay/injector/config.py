@@ -7,15 +7,11 @@ there is one parser and flags override the environment by construction.
 
 from __future__ import annotations
 
-import ast
-import inspect
-import itertools
-import os
 import posixpath
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from fsdp_replay import __version__
+from fsdp_replay import __version__, options
 from fsdp_replay.errors import ConfigError
 from fsdp_replay.injector import validate
 
@@ -30,7 +26,7 @@ NATIVE_SIDECAR_SINCE = (1, 29)
 
 def env_name(field_name: str) -> str:
     """The environment variable of a config field: ``agent_image`` -> ``FSDP_REPLAY_INJECTOR_AGENT_IMAGE``."""
-    return ENV_PREFIX + field_name.upper()
+    return options.env_var(field_name, ENV_PREFIX)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,61 +138,15 @@ class InjectorConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InjectorConfig:
         """The config from ``FSDP_REPLAY_INJECTOR_*`` variables; unset or empty ones keep their defaults."""
-        env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(env_name(f.name))
-            if raw is None or (raw == "" and f.type != "str"):
-                continue
-            if f.type == "int":
-                values[f.name] = _int(f.name, raw)
-            elif f.type == "bool":
-                values[f.name] = _bool(f.name, raw)
-            else:
-                values[f.name] = raw.strip()
-        return cls(**values)  # type: ignore[arg-type]
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, from its source (the CLI's help texts)."""
-    try:
-        body = ast.parse(inspect.getsource(cls)).body[0]
-    except (OSError, TypeError, IndexError):
-        return {}  # no source (a frozen build): help without descriptions
-    docs: dict[str, str] = {}
-    statements = body.body if isinstance(body, ast.ClassDef) else []
-    for stmt, after in itertools.pairwise(statements):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[stmt.target.id] = " ".join(after.value.value.replace("``", "").split())
-    return docs
+        config: InjectorConfig = options.from_env(cls, ENV_PREFIX, env)
+        return config
 
 
 def parse_bool(name: str, raw: str) -> bool:
     """``1/true/yes/on`` or ``0/false/no/off``; anything else is a ConfigError naming the variable."""
-    return _bool(name, raw)
+    return options.parse_bool(env_name(name), raw)
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{env_name(name)}={value!r}: expected one of {', '.join(allowed)}")
-
-
-def _int(name: str, raw: str) -> int:
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise ConfigError(f"{env_name(name)}={raw!r} is not an integer") from None
-
-
-def _bool(name: str, raw: str) -> bool:
-    if raw.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{env_name(name)}={raw!r} is not a boolean (use 1 or 0)")

@@ -28,10 +28,11 @@ import torch.distributed as dist
 
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import CollectiveCall, wait_result
-from fsdp_replay.agent.config import AgentConfig, StepSet
+from fsdp_replay.agent.config import StepSet
 from fsdp_replay.agent.fingerprint import Pending, fingerprint, fingerprint_many
 from fsdp_replay.agent.hooks import Hooks
 from fsdp_replay.errors import ConfigError, FsdpReplayError, TraceIncompleteError
+from fsdp_replay.replayer.config import ReplayConfig
 from fsdp_replay.replayer.expected import ExpectedColl, ExpectedTensor, RankRecord
 from fsdp_replay.replayer.report import Divergence, magnitude
 from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
@@ -55,7 +56,7 @@ def _same_float(a: float, b: float) -> bool:
 
 
 class Replayer:
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: ReplayConfig) -> None:
         self.config = config
         self.pid = os.getpid()
         self.t0 = time.monotonic()
@@ -191,7 +192,7 @@ class Replayer:
     # -- start -----------------------------------------------------------------------------
     def start(self) -> None:
         recorded = (self.rec.meta.get("versions") or {}).get("torch")
-        if recorded and recorded != torch.__version__ and os.environ.get("FSDP_REPLAY_FORCE") != "1":
+        if recorded and recorded != torch.__version__ and not self.config.force:
             self.refuse(
                 f"the trace was recorded with torch {recorded}; this process has torch "
                 f"{torch.__version__} (kernels differ between versions; pass --force to replay anyway)"
@@ -844,7 +845,7 @@ def feeding_modules() -> list[str]:
     return found[:50]
 
 
-def attach_replay(config: AgentConfig) -> Replayer:
+def attach_replay(config: ReplayConfig) -> Replayer:
     """Install the replayer. Raises on any failure: the caller ends the process (``boot.attach``)."""
     replayer = Replayer(config)
     hooks = Hooks(replayer)

@@ -22,15 +22,14 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, fields
 from typing import Any
 
+from fsdp_replay import options
 from fsdp_replay.errors import ConfigError
-from fsdp_replay.sidecar.config import SidecarConfig, env_name, field_docs
+from fsdp_replay.sidecar.config import ENV_NAMES, ENV_PREFIX, SidecarConfig
 
 EXIT_OK = 0
 EXIT_USAGE = 2
-_DEST = "config_"  # argparse dest prefix of the config fields
 DESCRIPTION = (
     "Follow the agents' spools under OUT/spool, probe the trainers' libnccl with eBPF uprobes "
     "(when root and bcc allow), and serve Prometheus /metrics and /healthz. Every option is also an "
@@ -40,39 +39,13 @@ DESCRIPTION = (
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     """``--name`` for each SidecarConfig field, also read from its variable (the flag wins)."""
-    docs = field_docs(SidecarConfig)
-    for f in fields(SidecarConfig):
-        kind = str(f.type)
-        default = f.default if f.default is not MISSING else None
-        shown = ",".join(default) if isinstance(default, tuple) else default
-        text = f"{docs.get(f.name, '')} (env {env_name(f.name)}"
-        text += "" if shown in (None, "") else f"; default {shown}"
-        text += ")"
-        flag = "--" + f.name.replace("_", "-")
-        if kind in ("bool", "bool | None"):
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, dest=_DEST + f.name, help=text
-            )
-        else:
-            parser.add_argument(
-                flag,
-                type=str,  # parsed by SidecarConfig.from_env, so errors name the variable either way
-                default=None,
-                dest=_DEST + f.name,
-                metavar=f.name.upper(),
-                help=text,
-            )
+    options.add_config_options(parser, SidecarConfig, ENV_PREFIX, names=ENV_NAMES)
     parser.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
 
 
 def option_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` with every option given as a flag written over it, under its variable's name."""
-    env = dict(environ)
-    for key, value in vars(args).items():
-        if key.startswith(_DEST) and value is not None:
-            name = key.removeprefix(_DEST)
-            env[env_name(name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
-    return env
+    return options.option_env(args, environ, ENV_PREFIX, names=ENV_NAMES)
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> SidecarConfig:

@@ -11,15 +11,12 @@ the environment and calls :meth:`SidecarConfig.from_env`, so there is one parser
 
 from __future__ import annotations
 
-import ast
-import inspect
-import itertools
 import math
-import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+from fsdp_replay import options
 from fsdp_replay.errors import ConfigError
 
 ENV_PREFIX = "FSDP_REPLAY_SIDECAR_"
@@ -35,7 +32,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEFAULT_OUT = "/var/lib/fsdp-replay"
 """The injector's default ``spool_path``."""
 DEFAULT_METRICS_PORT = 9464
-_ENV_NAMES = {"out": ENV_OUT}
+ENV_NAMES = {"out": ENV_OUT}  # fields whose variable is not prefixed
 # A Kubernetes container name (RFC 1123 label).
 _CONTAINER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
@@ -43,7 +40,7 @@ _CONTAINER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 def env_name(field_name: str) -> str:
     """The environment variable of a config field: ``metrics_port`` -> ``FSDP_REPLAY_SIDECAR_METRICS_PORT``
     (``out`` -> ``FSDP_REPLAY_OUT``, shared with the agents)."""
-    return _ENV_NAMES.get(field_name, ENV_PREFIX + field_name.upper())
+    return ENV_NAMES.get(field_name) or options.env_var(field_name, ENV_PREFIX)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,63 +126,8 @@ class SidecarConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SidecarConfig:
         """The config from its environment variables; unset ones (and empty non-text ones) keep their defaults."""
-        env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(env_name(f.name))
-            if raw is None or (raw.strip() == "" and f.type != "str"):
-                continue
-            values[f.name] = parse_value(f.name, str(f.type), raw)
-        return cls(**values)  # type: ignore[arg-type]
-
-
-def parse_value(name: str, kind: str, raw: str) -> object:
-    """One variable's text as the field's type (``kind``: the annotation as written)."""
-    if kind == "int":
-        try:
-            return int(raw.strip())
-        except ValueError:
-            raise ConfigError(f"{env_name(name)}={raw!r} is not an integer") from None
-    if kind == "float":
-        try:
-            return float(raw.strip())
-        except ValueError:
-            raise ConfigError(f"{env_name(name)}={raw!r} is not a number") from None
-    if kind in ("bool", "bool | None"):
-        return parse_bool(name, raw)
-    if kind == "tuple[str, ...]":
-        return tuple(item.strip() for item in raw.split(",") if item.strip())
-    return raw.strip()
-
-
-def parse_bool(name: str, raw: str) -> bool:
-    """``1/true/yes/on`` or ``0/false/no/off``; anything else is a ConfigError naming the variable."""
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{env_name(name)}={raw!r} is not a boolean (use 1 or 0)")
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, from its source (the CLI's help texts)."""
-    try:
-        body = ast.parse(inspect.getsource(cls)).body[0]
-    except (OSError, TypeError, IndexError):
-        return {}  # no source (a frozen build): help without descriptions
-    docs: dict[str, str] = {}
-    statements = body.body if isinstance(body, ast.ClassDef) else []
-    for stmt, after in itertools.pairwise(statements):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[stmt.target.id] = " ".join(after.value.value.replace("``", "").split())
-    return docs
+        config: SidecarConfig = options.from_env(cls, ENV_PREFIX, env, names=ENV_NAMES)
+        return config
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:

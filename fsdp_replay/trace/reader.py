@@ -295,3 +295,13 @@ class Trace:
         if not isinstance(g, zarr.Group):
             raise TraceFormatError(f"rank {rank} is not a group", path=f"{self.url}/{name}")
         return RankTrace(self, rank, g)
+
+
+def resolve_trace(path: str) -> str:
+    """A run folder (holding ``trace.zarr``) or the trace itself: the trace's location."""
+    inner = os.path.join(path, schema.TRACE_DIR)
+    if "://" not in path and os.path.isdir(inner):
+        return inner
+    if "://" not in path and os.path.exists(inner):
+        raise TraceFormatError("not a trace: a file where the trace folder should be", path=inner)
+    return path

@@ -346,7 +346,7 @@ def test_payload_image_layout(images: Images, which: str) -> None:
     assert [
         n
         for n in files
-        if re.fullmatch(rf"{lib}/fsdp_replay/agent/_fpcore\.cpython-3\d+-x86_64-linux-gnu\.so", n)
+        if re.fullmatch(rf"{lib}/fsdp_replay/agent/fingerprint/_fpcore\.cpython-3\d+-x86_64-linux-gnu\.so", n)
     ]
     assert files["bin/cp"].issym() and files["bin/cp"].linkname == "busybox"
     payload = {n: m for n, m in files.items() if n.startswith("fsdp-replay/")}
@@ -399,7 +399,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 def test_payload_from_python_3_13_records_on_the_hosts_python_3_11(images: Images, tmp_path: Path) -> None:
     copy, run = tmp_path / "agent", tmp_path / "run"
     _copy_like_the_init_container(images.agent_py313, copy)
-    assert list((copy / "lib" / "fsdp_replay" / "agent").glob("_fpcore.cpython-313-*.so"))
+    assert list((copy / "lib" / "fsdp_replay" / "agent" / "fingerprint").glob("_fpcore.cpython-313-*.so"))
     # The trainer's environment is exactly what the injector gives it: mutate a real pod with the
     # copy's folder as the mount path and take the trainer container's env from the patched pod.
     pod = yaml.safe_load((INJECTOR_FIXTURES / "plain-pod.yaml").read_text())

@@ -10,7 +10,8 @@ import pytest
 
 from fsdp_replay.errors import ConfigError, FsdpReplayError
 from fsdp_replay.injector import cli, validate
-from fsdp_replay.injector.config import ENV_PREFIX, InjectorConfig, env_name, field_docs
+from fsdp_replay.injector.config import ENV_PREFIX, InjectorConfig, env_name
+from fsdp_replay.options import field_docs
 
 
 def test_defaults_are_valid() -> None:
@@ -172,7 +173,7 @@ def test_flags_override_the_environment() -> None:
 
 def test_registers_into_the_main_cli() -> None:
     """``register`` plugs into ``fsdp_replay.cli.build_parser()``'s subparsers without a name clash."""
-    from fsdp_replay.cli import build_parser
+    from fsdp_replay.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

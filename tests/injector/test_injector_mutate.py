@@ -23,7 +23,7 @@ from injector_support import (
     validate_pod,
 )
 
-from fsdp_replay.agent.config import AgentConfig, StepSet
+from fsdp_replay.agent.config import RecordConfig, StepSet
 from fsdp_replay.boot.pythonpath import PACKAGE_DIR, SITE_DIR, agent_pythonpath
 from fsdp_replay.errors import ConfigError
 from fsdp_replay.injector import containers, patch, validate
@@ -211,10 +211,10 @@ def test_env_from_is_warned_about() -> None:
 
 
 def test_injected_env_is_what_the_agent_reads() -> None:
-    """The variables the injector writes are the ones ``AgentConfig.from_env`` reads, with valid values."""
+    """The variables the injector writes are the ones ``RecordConfig.from_env`` reads, with valid values."""
     out, _ = inject(load("torchrun-pod"))
     env = {k: v for k, v in env_of(named(out, "trainer")).items() if isinstance(v, str)}
-    config = AgentConfig.from_env(env)
+    config = RecordConfig.from_env(env)
     assert config.mode == "record" and config.out == "/var/lib/fsdp-replay"
     assert str(config.payloads) == "steps:0-3,100-"
     assert config.snapshot_every == 500

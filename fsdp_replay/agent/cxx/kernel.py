@@ -23,7 +23,7 @@ import torch
 ENV = "FSDP_REPLAY_CXX_KERNEL_LIB"
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "_kernel.cpp"
-CORE = HERE / "_fpcore.c"
+CORE = HERE.parent / "fingerprint" / "_fpcore.c"
 ABI = 1  # FSDPR_KERNEL_ABI of the source this module is written for
 OPS = ("_allgather_base_", "_reduce_scatter_base_", "allreduce_")
 # _kernel.cpp's dtype codes

@@ -19,7 +19,7 @@ from typing import Any
 
 from fsdp_replay.boot.pythonpath import PACKAGE_DIR, SITE_DIR
 from fsdp_replay.boot.pythonpath import agent_pythonpath as _pythonpath_rule
-from fsdp_replay.watchdog import DONE
+from fsdp_replay.cli.watchdog import DONE
 
 AGENT_PATH_DIR = ".agent-path"
 
@@ -49,11 +49,11 @@ def run_command(
     """Run ``command`` in its own process group; forward SIGINT/SIGTERM; return (exit code, info).
 
     The exit code follows the shell's convention (128 + N when killed by signal N). A watchdog
-    (``fsdp_replay.watchdog``) stops the command's whole process tree if this process dies first.
+    (``fsdp_replay.cli.watchdog``) stops the command's whole process tree if this process dies first.
     """
     t0 = time.time()
     watchdog = subprocess.Popen(
-        [sys.executable, "-m", "fsdp_replay.watchdog"], stdin=subprocess.PIPE, start_new_session=True
+        [sys.executable, "-m", "fsdp_replay.cli.watchdog"], stdin=subprocess.PIPE, start_new_session=True
     )
     assert watchdog.stdin is not None
     try:

@@ -1,4 +1,4 @@
-"""Stop a job whose ``fsdp-replay record`` (or ``replay``) died: ``python -m fsdp_replay.watchdog``.
+"""Stop a job whose ``fsdp-replay record`` (or ``replay``) died: ``python -m fsdp_replay.cli.watchdog``.
 
 ``launch.run_command`` starts this in a session of its own, with a pipe on stdin whose write end
 only the fsdp-replay command holds. It reads the job's pid from the pipe, then waits. If the pipe

@@ -8,52 +8,20 @@ unusable input (the reader's errors propagate to ``fsdp_replay.cli.main``).
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import sys
 from typing import Any
 
-EXIT_OK = 0
-EXIT_FOUND = 1
+from fsdp_replay.cli.render import console, dump_json, escape
+from fsdp_replay.errors import ExitCode
+from fsdp_replay.options import env_option
+from fsdp_replay.trace.reader import Trace, resolve_trace
 
 
-def _jsonable(x: Any) -> Any:
-    """Strict JSON: non-finite floats become the strings "NaN", "Infinity", "-Infinity"."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    return x
-
-
-def _dump(obj: Any) -> None:
-    json.dump(_jsonable(obj), sys.stdout, indent=2, allow_nan=False, default=str)
-    print()
-
-
-def _open(path: str) -> Any:
-    from fsdp_replay.cli import resolve_trace
-    from fsdp_replay.trace.reader import Trace
-
+def _open(path: str) -> Trace:
     return Trace.open(resolve_trace(path))
 
 
-def _console() -> Any:
-    from rich.console import Console
-
-    return Console(highlight=False)
-
-
-def _e(x: Any) -> str:
-    from rich.markup import escape
-
-    return escape(str(x))
-
-
-def _dash(x: Any) -> str:
-    return "-" if x is None else _e(x)
+EXIT_OK = ExitCode.OK
+EXIT_FOUND = ExitCode.FOUND
 
 
 # -- nan ---------------------------------------------------------------------------------------
@@ -65,19 +33,19 @@ def cmd_nan(args: argparse.Namespace) -> int:
     origin = nonfinite_origin(trace)
     notes = record_notes(trace)
     if args.json:
-        _dump({"trace": trace.url, "found": origin is not None, "origin": origin, "notes": notes})
+        dump_json({"trace": trace.url, "found": origin is not None, "origin": origin, "notes": notes})
         return EXIT_FOUND if origin else EXIT_OK
-    con = _console()
+    con = console()
     if origin is None:
-        con.print(f"[green]no non-finite value[/green] in {_e(trace.url)} (ranks {_e(trace.ranks)})")
+        con.print(f"[green]no non-finite value[/green] in {escape(trace.url)} (ranks {escape(trace.ranks)})")
         _print_notes(con, notes)
         return EXIT_OK
-    con.print(f"[bold red]{_e(origin['message'])}[/bold red]")
-    con.print(f"cause: {_e(origin['cause'])}")
+    con.print(f"[bold red]{escape(origin['message'])}[/bold red]")
+    con.print(f"cause: {escape(origin['cause'])}")
     con.print("first non-finite event per rank:")
     for row in origin["per_rank"]:
         ev = row["event"]
-        text = "[green]stayed finite[/green]" if ev is None else _e(describe_nonfinite(ev))
+        text = "[green]stayed finite[/green]" if ev is None else escape(describe_nonfinite(ev))
         con.print(f"  rank {row['rank']}: {text}")
     _print_notes(con, notes)
     return EXIT_FOUND
@@ -85,7 +53,7 @@ def cmd_nan(args: argparse.Namespace) -> int:
 
 def _print_notes(con: Any, notes: list[str]) -> None:
     for n in notes:
-        con.print(f"[yellow]note: {_e(n)}[/yellow]")
+        con.print(f"[yellow]note: {escape(n)}[/yellow]")
 
 
 # -- desync ------------------------------------------------------------------------------------
@@ -101,13 +69,13 @@ def cmd_desync(args: argparse.Namespace) -> int:
     trace = _open(args.trace)
     rep = desync_report(trace)
     if args.json:
-        _dump(rep)
+        dump_json(rep)
         return EXIT_OK if rep["consistent"] else EXIT_FOUND
     from rich.table import Table
 
-    con = _console()
+    con = console()
     style = "green" if rep["consistent"] else "bold red"
-    con.print(f"[{style}]{_e(rep['message'])}[/{style}]")
+    con.print(f"[{style}]{escape(rep['message'])}[/{style}]")
     t = Table(title="where each rank stopped")
     for col in ("rank", "steps done", "end", "collectives", "last completed", "in flight"):
         t.add_column(col)
@@ -116,19 +84,19 @@ def cmd_desync(args: argparse.Namespace) -> int:
         t.add_row(
             str(pr["rank"]),
             str(pr["steps_done"]),
-            end if pr["end"] is None else _e(end),
+            end if pr["end"] is None else escape(end),
             str(pr["collectives"]),
-            _e(_entry(pr["last_completed"])),
-            _e(_entry(pr["in_flight"])),
+            escape(_entry(pr["last_completed"])),
+            escape(_entry(pr["in_flight"])),
         )
     con.print(t)
     if rep["missing_ranks"]:
-        con.print(f"[red]ranks without any data: {_e(rep['missing_ranks'])}[/red]")
+        con.print(f"[red]ranks without any data: {escape(rep['missing_ranks'])}[/red]")
     others = [g for g in rep["groups"] if g["mismatch"] and g["mismatch"] is not rep["first_mismatch"]]
     for g in others:
-        con.print(f"also: {_e(g['mismatch']['message'])}")
+        con.print(f"also: {escape(g['mismatch']['message'])}")
     for u in rep["unrecorded"]:
-        con.print(f"[yellow]not a disagreement: {_e(u['message'])}[/yellow]")
+        con.print(f"[yellow]not a disagreement: {escape(u['message'])}[/yellow]")
     _print_notes(con, rep["notes"])
     return EXIT_OK if rep["consistent"] else EXIT_FOUND
 
@@ -185,36 +153,36 @@ def cmd_diff(args: argparse.Namespace) -> int:
         plot_drift(res, args.plot)
     code = EXIT_FOUND if res["diverged"] else EXIT_OK
     if args.json:
-        _dump(res)
+        dump_json(res)
         return code
-    con = _console()
-    con.print(f"A = {_e(a.url)}\nB = {_e(b.url)}")
+    con = console()
+    con.print(f"A = {escape(a.url)}\nB = {escape(b.url)}")
     style = "bold red" if res["diverged"] else "green"
-    con.print(f"[{style}]{_e(res['message'])}[/{style}]")
+    con.print(f"[{style}]{escape(res['message'])}[/{style}]")
     for note in res["notes"]:
-        con.print(f"[yellow]note: {_e(note)}[/yellow]")
+        con.print(f"[yellow]note: {escape(note)}[/yellow]")
     for side, missing in res["missing_ranks"].items():
         if missing:
-            con.print(f"[yellow]ranks {_e(missing)} are missing from trace {side.upper()}[/yellow]")
+            con.print(f"[yellow]ranks {escape(missing)} are missing from trace {side.upper()}[/yellow]")
     for pr in res["ranks"]:
         ev = pr["first"]
         if ev is None:
-            con.print(f"rank {pr['rank']}: [green]{_e(pr['message'])}[/green]")
+            con.print(f"rank {pr['rank']}: [green]{escape(pr['message'])}[/green]")
             continue
         lines = _event_lines(ev)
-        con.print(f"rank {pr['rank']}: [red]diverged[/red] at {_e(lines[0])}")
+        con.print(f"rank {pr['rank']}: [red]diverged[/red] at {escape(lines[0])}")
         for line in lines[1:]:
-            con.print(f"        {_e(line)}")
+            con.print(f"        {escape(line)}")
         fc = pr.get("first_collective")
         if fc is not None and fc != ev:
             fl = _event_lines(fc)
-            con.print(f"        first divergent collective: {_e(fl[0])}")
+            con.print(f"        first divergent collective: {escape(fl[0])}")
             for line in fl[1:]:
-                con.print(f"        {_e(line)}")
+                con.print(f"        {escape(line)}")
         if not pr["same_length"]:
-            con.print(f"        {_e(pr['message'][pr['message'].rfind('(') :])}")
+            con.print(f"        {escape(pr['message'][pr['message'].rfind('(') :])}")
     if args.plot:
-        con.print(f"drift plot written to {_e(args.plot)}")
+        con.print(f"drift plot written to {escape(args.plot)}")
     return code
 
 
@@ -227,7 +195,7 @@ def register(subparsers: Any) -> None:
         "Exit code 1 when one was found, 0 when everything stayed finite.",
     )
     n.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
-    n.add_argument("--json", action="store_true", help="machine-readable output")
+    env_option(n, "--json", kind="flag", help="machine-readable output")
     n.set_defaults(func=cmd_nan)
 
     d = subparsers.add_parser(
@@ -237,7 +205,7 @@ def register(subparsers: Any) -> None:
         "Exit code 1 when ranks disagree, 0 when they agree.",
     )
     d.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
-    d.add_argument("--json", action="store_true", help="machine-readable output")
+    env_option(d, "--json", kind="flag", help="machine-readable output")
     d.set_defaults(func=cmd_desync)
 
     f = subparsers.add_parser(
@@ -248,7 +216,7 @@ def register(subparsers: Any) -> None:
     )
     f.add_argument("trace_a", metavar="TRACE_A", help="a trace (or run folder)")
     f.add_argument("trace_b", metavar="TRACE_B", help="a trace (or run folder)")
-    f.add_argument("--rank", type=int, default=None, help="only this rank")
-    f.add_argument("--plot", metavar="PNG", default=None, help="draw the per-step drift into this PNG")
-    f.add_argument("--json", action="store_true", help="machine-readable output")
+    env_option(f, "--rank", kind="int", help="only this rank")
+    env_option(f, "--plot", metavar="PNG", help="draw the per-step drift into this PNG")
+    env_option(f, "--json", kind="flag", help="machine-readable output")
     f.set_defaults(func=cmd_diff)

@@ -1,7 +1,10 @@
-"""Human-readable output with rich (tables, colours when on a terminal)."""
+"""What the commands print: rich tables and colours on a terminal, strict JSON with ``--json``."""
 
 from __future__ import annotations
 
+import json
+import math
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -125,3 +128,63 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
             con.print("argv:", env.get("argv"))
             con.print("env:", env.get("env"))
             con.print("determinism:", det)
+
+
+def jsonable(x: Any) -> Any:
+    """Strict JSON: non-finite floats become the strings "NaN", "Infinity", "-Infinity"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def dump_json(obj: Any) -> None:
+    json.dump(jsonable(obj), sys.stdout, indent=2, allow_nan=False, default=str)
+    print()
+
+
+def console() -> Console:
+    return Console(highlight=False)
+
+
+def escape(x: Any) -> str:
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(str(x))
+
+
+def print_collect(report: Any) -> None:
+    """What ``record`` and ``collect`` say about each rank they collected (stderr)."""
+    for r in report.ranks:
+        status = "complete" if r.clean_end else "INCOMPLETE (process ended without closing its spool)"
+        print(
+            f"  rank {r.rank}: {r.steps} steps, {r.collectives} collectives, {r.batches} batches, "
+            f"{r.blobs_written} blobs written ({r.blob_bytes / 1e6:.1f} MB), {r.blobs_shared} shared; {status}",
+            file=sys.stderr,
+        )
+        if r.error is not None:
+            print(f"  rank {r.rank}: NOT COLLECTED: {r.error}", file=sys.stderr)
+            continue
+        for d in r.damage:
+            print(f"  rank {r.rank}: DAMAGED spool, skipped: {d}", file=sys.stderr)
+        c = r.completeness
+        if c and not c.get("complete"):
+            print(
+                f"  rank {r.rank}: record complete through step {c['through_step']}: {'; '.join(c['reasons'])}",
+                file=sys.stderr,
+            )
+        if r.payload_missing:
+            print(
+                f"  rank {r.rank}: {r.payload_missing} payloads referenced but not stored (dropped)",
+                file=sys.stderr,
+            )
+        if r.payloads_dropped:
+            print(
+                f"  rank {r.rank}: {r.payloads_dropped} payloads dropped while recording (disk full or memory "
+                "bound); every event was kept",
+                file=sys.stderr,
+            )
+    print(f"fsdp-replay: trace written to {report.trace} in {report.seconds:.1f}s", file=sys.stderr)

@@ -1,0 +1,65 @@
+"""``fsdp-replay inspect``: what a trace holds, and with ``--verify`` whether all of it is whole."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from fsdp_replay.errors import ExitCode
+from fsdp_replay.options import env_option
+from fsdp_replay.trace.reader import resolve_trace
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from fsdp_replay.analysis.summary import summarize
+    from fsdp_replay.trace.reader import Trace
+
+    trace = Trace.open(resolve_trace(args.trace))
+    ranks = [args.rank] if args.rank is not None else None
+    summary = summarize(trace, ranks)
+    if args.verify:
+        from fsdp_replay.trace.scrub import scrub
+
+        checked = scrub(trace, ranks)
+        summary["verify"] = {
+            "arrays": checked.arrays,
+            "blobs": checked.blobs,
+            "blob_bytes": checked.blob_bytes,
+            "problems": checked.problems,
+        }
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        from fsdp_replay.cli.render import print_summary
+
+        print_summary(summary, verbose=args.verbose)
+    if args.verify:
+        v = summary["verify"]
+        for problem in v["problems"]:
+            print(f"fsdp-replay: DAMAGED: {problem}", file=sys.stderr)
+        print(
+            f"fsdp-replay: verified {v['arrays']} arrays and {v['blobs']} blobs ({v['blob_bytes'] / 1e6:.1f} MB): "
+            + (f"{len(v['problems'])} damaged" if v["problems"] else "every one matches"),
+            file=sys.stderr,
+        )
+        if v["problems"]:
+            return ExitCode.UNUSABLE
+    return ExitCode.OK
+
+
+def register(sub: Any) -> None:
+    i = sub.add_parser("inspect", help="summarize a trace")
+    i.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
+    env_option(i, "--rank", kind="int", help="only this rank")
+    env_option(i, "--json", kind="flag", help="machine-readable output")
+    env_option(i, "-v", "--verbose", kind="flag", help="also show environment details")
+    env_option(
+        i,
+        "--verify",
+        kind="flag",
+        help="read every array and payload blob and check it against the trace's digests (exit 3 if any is damaged)",
+    )
+    i.set_defaults(func=cmd_inspect)

@@ -1,0 +1,64 @@
+"""Record a training job, build its trace, replay one rank, analyse it, inject recording into pods.
+
+Subcommands: ``record | collect | inspect | replay | diff | nan | desync | webhook | inject |
+sidecar``. Every option is also an environment variable: ``FSDP_REPLAY_<OPTION>`` for the first
+seven (``fsdp_replay/options.py``), ``FSDP_REPLAY_INJECTOR_*`` and ``FSDP_REPLAY_SIDECAR_*`` for the
+components' own. Exit codes by error class (``docs/exit-codes.md``): 0 success, 1 a finding, 2 a
+usage error, 3 unusable input; ``record`` returns its command's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from fsdp_replay import __version__
+from fsdp_replay.errors import ConfigError, ExitCode, FsdpReplayError, TraceFormatError, TraceNotFoundError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fsdp_replay.cli import analyze, inspect, record, replay
+    from fsdp_replay.injector.cli import register as register_injector
+    from fsdp_replay.sidecar.cli import register as register_sidecar
+
+    p = argparse.ArgumentParser(prog="fsdp-replay", description=__doc__.split("\n")[0] if __doc__ else None)
+    p.add_argument("--version", action="version", version=f"fsdp-replay {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    record.register(sub)
+    replay.register(sub)
+    analyze.register(sub)
+    inspect.register(sub)
+    register_injector(sub)
+    register_sidecar(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:  # everything after -- is the program's command line, untouched
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1 :]
+    # Exit codes by error class (docs/exit-codes.md). Anything else is a bug and keeps its traceback.
+    try:
+        args = build_parser().parse_args(argv)  # option defaults come from FSDP_REPLAY_*: parsed here
+        args.command = command
+        return int(args.func(args))
+    except ConfigError as e:
+        print(f"fsdp-replay: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    except (TraceNotFoundError, TraceFormatError) as e:
+        print(f"fsdp-replay: unusable trace: {e}", file=sys.stderr)
+        return ExitCode.UNUSABLE
+    except FsdpReplayError as e:
+        print(f"fsdp-replay: {e}", file=sys.stderr)
+        return ExitCode.UNUSABLE
+    except OSError as e:  # a full disk, a permission problem: a clear line, not a traceback
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"fsdp-replay: {e.strerror or e}{where}", file=sys.stderr)
+        return ExitCode.UNUSABLE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""``fsdp-replay record`` and ``collect``: run a command with recording on, and build its trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fsdp_replay import __version__
+from fsdp_replay.cli.render import print_collect
+from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError
+from fsdp_replay.options import env_option
+from fsdp_replay.trace import schema
+from fsdp_replay.trace.layout import RUN_JSON, atomic_write
+
+
+def _wants_cxx_kernel(args: argparse.Namespace) -> bool:
+    """--cxx-kernel / --no-cxx-kernel (or FSDP_REPLAY_CXX_KERNEL=1/0), else: for runs that store
+    no payloads (the C++ kernel records none)."""
+    if args.cxx_kernel is not None:
+        return bool(args.cxx_kernel)
+    from fsdp_replay.agent.config import StepSet
+
+    return StepSet.parse(args.payloads).empty and not args.payload_inputs
+
+
+def _cxx_kernel() -> str:
+    """The C++ kernel's library, built first if needed; empty (with a note) where it cannot be."""
+    from fsdp_replay.agent.cxx import kernel
+
+    try:
+        if not kernel.library_path().exists():
+            print("fsdp-replay: building the C++ kernel for this torch (once)", file=sys.stderr)
+        return str(kernel.build())
+    except (kernel.KernelError, OSError) as e:
+        print(f"fsdp-replay: C++ kernel not used: {e}", file=sys.stderr)
+        return ""
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from fsdp_replay.agent.config import RecordConfig, StepSet
+    from fsdp_replay.cli.launch import agent_env, run_command
+    from fsdp_replay.trace.redact import redact_argv
+
+    command = list(args.command)
+    if not command:
+        raise ConfigError(
+            "nothing to record: give the command after --, e.g. "
+            "fsdp-replay record --out run1 -- torchrun --nproc_per_node 2 train.py"
+        )
+    out = Path(args.out or f"fsdp-replay-runs/{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    spool_dir = out / schema.SPOOL_DIR
+    if spool_dir.exists() and any(spool_dir.iterdir()):
+        raise ConfigError(f"{out} already holds a recording; choose another --out (runs are never mixed)")
+    config = RecordConfig(
+        out=str(out),
+        payloads=StepSet.parse(args.payloads),
+        payload_inputs=args.payload_inputs,
+        module_fingerprints=StepSet.parse(args.module_fingerprints),
+        snapshot_every=args.snapshot_every,
+        sync_steps=args.sync_steps,
+        reserve_bytes=args.reserve_bytes,
+        cxx_kernel_lib=_cxx_kernel() if _wants_cxx_kernel(args) else "",
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    env = agent_env(out, config.to_env())
+    print(f"fsdp-replay: recording into {out}", file=sys.stderr)
+    run: dict[str, Any] = {"command": redact_argv(command), "exit_code": None, "fsdp_replay": __version__}
+    _write_run(out, run)  # before the run too: a record process killed mid-run still leaves it
+    code, info = run_command(command, env)
+    run.update(exit_code=code, **info)
+    _write_run(out, run)
+    if args.no_collect:
+        return code
+    if not spool_dir.exists():
+        print(
+            f"fsdp-replay: the command recorded nothing (exit code {code}): no Python process of it "
+            "imported torch with the agent enabled",
+            file=sys.stderr,
+        )
+        return code if code else ExitCode.UNUSABLE
+    try:
+        report = collect_run(out, run)
+    except OSError as e:
+        # The recording itself is whole in the spools: say where the trace could not be written
+        # and how to write it elsewhere; the command's own exit code stays the exit code.
+        where = e.filename or (out / schema.TRACE_DIR)
+        print(
+            f"fsdp-replay: could not write the trace ({e.strerror or e}: {where}); every record is kept "
+            f"in {spool_dir}. Build the trace elsewhere with: fsdp-replay collect {out} --trace OTHER",
+            file=sys.stderr,
+        )
+        return code
+    except TraceFormatError as e:
+        print(f"fsdp-replay: the recording could not be collected: {e}", file=sys.stderr)
+        return code
+    print_collect(report)
+    if not report.damaged and not args.keep_spool:
+        shutil.rmtree(spool_dir)  # the trace now holds every record; a damaged spool is kept
+    if code:
+        print(
+            f"fsdp-replay: the command exited with code {code}; the trace holds everything it wrote "
+            "before that",
+            file=sys.stderr,
+        )
+    return code
+
+
+def _write_run(out: Path, run: dict[str, Any]) -> None:
+    """run.json, atomically; on a full disk, say so and go on (the spools matter more)."""
+    try:
+        atomic_write(out / RUN_JSON, json.dumps(run, indent=2) + "\n")
+    except OSError as e:
+        print(f"fsdp-replay: could not write {out / RUN_JSON}: {e.strerror}", file=sys.stderr)
+
+
+def collect_run(
+    out: Path, run: dict[str, Any] | None = None, strict: bool = False, trace: str | None = None
+) -> Any:
+    """Build the trace of run folder ``out`` (``trace``: elsewhere), saying so if it must wait."""
+    from fsdp_replay.trace.collect import collect
+
+    if run is None and (out / RUN_JSON).is_file():
+        try:
+            run = json.loads((out / RUN_JSON).read_text())
+        except ValueError as e:
+            print(f"fsdp-replay: ignoring an unreadable {out / RUN_JSON}: {e}", file=sys.stderr)
+    return collect(
+        out / schema.SPOOL_DIR,
+        trace or out / schema.TRACE_DIR,
+        run=run,
+        strict=strict,
+        on_wait=lambda msg: print(f"fsdp-replay: {msg}", file=sys.stderr),
+    )
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    report = collect_run(Path(args.run), strict=args.strict, trace=args.trace)
+    print_collect(report)
+    return ExitCode.UNUSABLE if report.damaged else ExitCode.OK
+
+
+def register(sub: Any) -> None:
+    from fsdp_replay.agent.config import RecordConfig
+
+    defaults = RecordConfig(out="-")
+    r = sub.add_parser(
+        "record",
+        help="run a command with recording on, then build its trace",
+        description="Record a training command without changing it, like `nsys profile`. "
+        "Example: fsdp-replay record --out run1 -- torchrun --nproc_per_node 2 train.py. "
+        "Every option is also an environment variable (shown with each).",
+    )
+    env_option(r, "--out", help="run folder (default fsdp-replay-runs/<time>)")
+    env_option(
+        r,
+        "--payloads",
+        default=str(defaults.payloads),
+        help="steps whose collective outputs and batches are stored: none, all, steps:0-3,10",
+    )
+    env_option(r, "--payload-inputs", kind="flag", help="also store collective inputs")
+    env_option(
+        r,
+        "--module-fingerprints",
+        default=str(defaults.module_fingerprints),
+        help="steps whose module outputs and gradients are fingerprinted, so a replay can name the module "
+        "where a divergence starts: none, all, steps:SPEC",
+    )
+    env_option(
+        r,
+        "--reserve-bytes",
+        kind="int",
+        default=defaults.reserve_bytes,
+        help="disk space each rank holds back for metadata, released when payloads fill the disk",
+    )
+    env_option(
+        r,
+        "--snapshot-every",
+        kind="int",
+        default=defaults.snapshot_every,
+        help="snapshot each rank's state every N steps; step 0 always",
+    )
+    env_option(
+        r,
+        "--sync-steps",
+        kind="bool",
+        default=defaults.sync_steps,
+        help="wait at each step end until the step's records are written (--no-sync-steps: faster, a weaker "
+        "crash guarantee)",
+    )
+    env_option(
+        r,
+        "--cxx-kernel",
+        kind="bool",
+        help="record the hot CPU collectives with the C++ kernel, built against the installed torch on "
+        "first use (needs gcc and g++); default: on with --payloads none, whose runs it can record",
+    )
+    env_option(r, "--no-collect", kind="flag", help="leave the spools; build the trace later with `collect`")
+    env_option(
+        r,
+        "--keep-spool",
+        kind="flag",
+        help="keep the spool folder after building the trace (always kept when any record was damaged)",
+    )
+    r.set_defaults(func=cmd_record)
+
+    c = sub.add_parser("collect", help="build (or rebuild) a run's trace from its spools")
+    c.add_argument("run", help="the run folder given to record --out")
+    env_option(c, "--strict", kind="flag", help="fail at the first damaged record")
+    env_option(
+        c,
+        "--trace",
+        help="where to write the trace: a folder or an fsspec URL such as s3://bucket/run1 (default "
+        f"RUN/{schema.TRACE_DIR})",
+    )
+    c.set_defaults(func=cmd_collect)

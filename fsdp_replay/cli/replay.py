@@ -1,0 +1,160 @@
+"""``fsdp-replay replay``: run the recorded command as one rank alone (or every rank live) and
+verify it bit for bit; render its report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from fsdp_replay.errors import ConfigError, ExitCode
+from fsdp_replay.options import env_option
+from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPLAY_PNG, REPORT_JSON, REPORT_TXT, atomic_write
+from fsdp_replay.trace.reader import resolve_trace
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from fsdp_replay.cli.launch import agent_env, run_command
+    from fsdp_replay.replayer import launch
+    from fsdp_replay.replayer.config import ReplayConfig
+
+    trace_url = resolve_trace(args.trace)
+    trace, meta = launch.open_rank(trace_url, args.rank)
+    override = list(args.command)
+    command, cwd = launch.replay_command(meta, override)
+    if not args.force:
+        launch.check_script(meta, command, cwd)
+        launch.check_torch(meta)
+    world = int(meta.get("world_size") or trace.world_size or 1)
+    who = "all ranks" if args.all_ranks else f"rank {args.rank}"
+    out = Path(args.report) if args.report else launch.report_dir(trace_url, who, args.from_step)
+    out.mkdir(parents=True, exist_ok=True)
+    config = ReplayConfig(
+        trace=str(Path(trace_url).absolute()) if "://" not in trace_url else trace_url,
+        rank=args.rank,
+        from_step=args.from_step,
+        to_step=args.to_step,
+        report=str(out.absolute()),
+        live=args.all_ranks,
+        force=args.force,
+    )
+    notes: list[str] = []
+    env = launch.replay_env(meta, args.rank, world, args.device, notes)
+    for n in notes:
+        print(f"fsdp-replay: note: {n}", file=sys.stderr)
+    if args.all_ranks:
+        if override:
+            raise ConfigError(
+                "--all-ranks runs the recorded command under torchrun; it takes no command after --"
+            )
+        command = launch.all_ranks_command(command, world)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+    env = agent_env(out, config.to_env(), env)
+    print(
+        f"fsdp-replay: replaying {who} of {world} from step {args.from_step}: {' '.join(command)}",
+        file=sys.stderr,
+    )
+    code, _info = run_command(command, env, cwd=cwd)
+    if args.all_ranks:
+        return _finish_all_ranks(out, world, code, notes)
+    return finish_report(out / REPORT_JSON, code, notes)
+
+
+def finish_report(report_path: Path, code: int, notes: list[str]) -> int:
+    """Add what the command line knows to the agent's report.json, write report.txt and the plot,
+    print the verdict; the exit code follows the verdict."""
+    from fsdp_replay.analysis.plots import plot_replay
+    from fsdp_replay.replayer.report import render_text
+
+    if not report_path.is_file():
+        print(
+            f"fsdp-replay: the replayed program exited with code {code} before the replay could report "
+            "(see its output above)",
+            file=sys.stderr,
+        )
+        return ExitCode.UNUSABLE
+    report = json.loads(report_path.read_text())
+    report["program_exit_code"] = code
+    report["notes"] = [*notes, *report.get("notes", [])]
+    atomic_write(report_path, json.dumps(report, indent=2, default=str) + "\n")
+    text = render_text(report)
+    atomic_write(report_path.parent / REPORT_TXT, text)
+    plotted = plot_replay(report, report_path.parent / REPLAY_PNG)
+    print(text, end="")
+    print(
+        f"report: {report_path.parent}"
+        + (f" ({REPORT_JSON}, {REPORT_TXT}, {REPLAY_PNG})" if plotted else ""),
+        file=sys.stderr,
+    )
+    verdicts = {"bit-exact": ExitCode.OK, "diverged": ExitCode.FOUND}
+    return verdicts.get(str(report.get("status")), ExitCode.UNUSABLE)
+
+
+def _finish_all_ranks(out: Path, world: int, code: int, notes: list[str]) -> int:
+    from fsdp_replay.replayer.report import merge_reports
+
+    reports = []
+    for rank in range(world):
+        path = out / RANK_REPORT_FMT.format(rank=rank) / REPORT_JSON
+        if path.is_file():
+            reports.append(json.loads(path.read_text()))
+        else:
+            print(
+                f"fsdp-replay: rank {rank} wrote no report (the run exited with code {code})", file=sys.stderr
+            )
+    merged = merge_reports(reports, world)
+    atomic_write(out / REPORT_JSON, json.dumps(merged, indent=2, default=str) + "\n")
+    results = [
+        finish_report(out / RANK_REPORT_FMT.format(rank=r["rank"]) / REPORT_JSON, code, notes)
+        for r in reports
+    ]
+    first = merged.get("first_divergence")
+    print(
+        f"all ranks: {merged['status'].upper()}"
+        + (f"; first divergence on rank {first['rank']} at step {first['step']}" if first else "")
+    )
+    if len(reports) < world:
+        return ExitCode.UNUSABLE
+    return max(results) if results else ExitCode.UNUSABLE
+
+
+def register(sub: Any) -> None:
+    rp = sub.add_parser(
+        "replay",
+        help="replay one rank alone and verify it bit for bit",
+        description="Run the recorded command as rank R alone: collectives are answered from the "
+        "trace, and every fingerprint is checked. Exit 0 when bit-exact, 1 on divergence, 3 when "
+        "the trace or the program cannot be replayed. Every option is also an environment variable.",
+    )
+    rp.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
+    env_option(rp, "--rank", kind="int", default=0, help="the rank to replay")
+    env_option(
+        rp,
+        "--from-step",
+        kind="int",
+        default=0,
+        help="verify from this step, restoring the latest snapshot at or before it",
+    )
+    env_option(
+        rp,
+        "--to-step",
+        kind="int",
+        default=-1,
+        help="stop after this step (default: run to the program's end)",
+    )
+    env_option(
+        rp, "--device", help="cpu or cuda[:N]: where the replayed rank runs (default: as the program decides)"
+    )
+    env_option(rp, "--report", help="report folder (default: replays/rank-R-... beside the trace)")
+    env_option(
+        rp,
+        "--all-ranks",
+        kind="flag",
+        help="run every rank again under torchrun with live collectives, comparing every fingerprint with "
+        "the record (for traces recorded without payloads)",
+    )
+    env_option(rp, "--force", kind="flag", help="replay even if the script or torch version differ")
+    rp.set_defaults(func=cmd_replay)
