@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml setup.py fsdp_replay/agent/fingerprint/_fpcore.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check fsdp_replay tests examples bench helm/fsdp-replay/files
 	$(BIN)/ruff format --check fsdp_replay tests examples bench helm/fsdp-replay/files
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 # As root, a real Docker engine runs for the image tests (scripts/install-docker.sh starts it and
 # stops the one it started); the docker marker is decided when pytest collects, so it starts first.
@@ -44,6 +45,10 @@ test: lint $(EBPF_STAMP)
 	else echo "not root: the Docker and Prometheus tests will skip"; fi
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ "$$(id -u)" = 0 ]; then scripts/install-docker.sh stop; fi; exit $$rc
+
+# The fast tier: everything but the multi-process runs (the `slow` marker); about a minute.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_record.py

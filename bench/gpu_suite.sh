@@ -22,7 +22,7 @@ fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$OUT/machine.txt"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -o addopts="" 2>&1 | tee "$OUT/gpu-tests.log"
 echo "gpu tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
-python3 -m pytest -q -p no:cacheprovider tests/test_native.py -o addopts="" 2>&1 | tee -a "$OUT/gpu-tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/agent/test_native.py -o addopts="" 2>&1 | tee -a "$OUT/gpu-tests.log"
 echo "native core tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
 python3 bench/bench_record.py --nproc 1 --device cuda --steps ${BENCH_STEPS:-30} --reps ${BENCH_REPS:-4} \
   --configs ${BENCH_CONFIGS:-meta,meta-nosync} --cooldown 0 \

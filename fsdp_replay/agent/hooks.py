@@ -142,7 +142,7 @@ class Hooks:
             # completes the kernel's all-gathers; a program without optimizer steps drains here too
             if kernel is not None and owner.recording and kernel.complete() >= DRAIN_AT:
                 drain()  # type: ignore[misc]
-            if owner._deferred:
+            if owner.deferred:
                 done()
             return result
 

@@ -24,27 +24,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import CollectiveCall, wait_result
-from fsdp_replay.agent.config import StepSet
-from fsdp_replay.agent.fingerprint import Pending, fingerprint, fingerprint_many
 from fsdp_replay.agent.hooks import Hooks
-from fsdp_replay.errors import ConfigError, FsdpReplayError, TraceIncompleteError
+from fsdp_replay.errors import FsdpReplayError, TraceIncompleteError
+from fsdp_replay.replayer import feed, restore, verify
 from fsdp_replay.replayer.config import ReplayConfig
-from fsdp_replay.replayer.expected import ExpectedColl, ExpectedTensor, RankRecord
-from fsdp_replay.replayer.report import Divergence, magnitude
+from fsdp_replay.replayer.expected import RankRecord
+from fsdp_replay.replayer.fake_pg import redirect_to_fake_pg
+from fsdp_replay.replayer.fsdp_frames import feeding_modules
+from fsdp_replay.replayer.report import Divergence, build_report
 from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
-from fsdp_replay.trace.ops import ALL_GATHER_OPS
 from fsdp_replay.trace.reader import Trace
 
 log = logging.getLogger(__name__)
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 3
-
-
-def _value(x: Any) -> Any:
-    return x.value() if isinstance(x, Pending) else x
 
 
 def _same_float(a: float, b: float) -> bool:
@@ -160,34 +155,13 @@ class Replayer:
         )
 
     def _check_module(self, name: str, kind: str, fp: int, nonfinite: bool, algo: str) -> None:
-        expected = self.rec.modules[self.step]
         idx = self.module_idx
         self.module_idx += 1
-        if idx >= len(expected):
-            return
-        _micro, ename, ekind, efp, _ealgo = expected[idx]
-        if (ename, ekind) != (name, kind) or efp != fp:
+        base = {"rank": self.rank, "step": self.step, "micro": self.micro}
+        f = verify.module_finding(self.rec.modules[self.step], idx, name, kind, fp, base)
+        if f is not None:
             self.module_diverged = True
-            same_place = (ename, ekind) == (name, kind)
-            direction = "output" if kind == "fwd" else "output gradient"
-            self.diverge(
-                Divergence(
-                    kind="module",
-                    rank=self.rank,
-                    step=self.step,
-                    micro=self.micro,
-                    tensor=f"{name} ({direction})",
-                    expected_fp=efp if same_place else None,
-                    actual_fp=fp if same_place else None,
-                    detail=(
-                        f"the earliest module whose {direction} differs: {name}"
-                        if same_place
-                        else f"module call #{idx} is {name} ({kind}); recorded {ename} ({ekind}): the program took "
-                        "another path"
-                    ),
-                    modules=[name],
-                )
-            )
+            self._found(f)
 
     # -- start -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -197,60 +171,14 @@ class Replayer:
                 f"the trace was recorded with torch {recorded}; this process has torch "
                 f"{torch.__version__} (kernels differ between versions; pass --force to replay anyway)"
             )
-        self._restore_rng(-1, "process start")
+        restore.restore_rng(self.rec, -1, "process start", self.notes)
         if not self.live:
-            self._patch_init()
+            redirect_to_fake_pg(self.world, self.rank, self.refuse)
             self.rec.start_prefetch()
 
     def refuse(self, why: str) -> None:
         sys.stderr.write(f"fsdp-replay: refusing to replay: {why}\n")
         self.finish("refused", EXIT_BAD_INPUT, reason=why)
-
-    def _patch_init(self) -> None:
-        import torch.distributed.distributed_c10d as c10d
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-        original_init = c10d.init_process_group
-        original_new_group = c10d.new_group
-        me = self
-
-        def init_process_group(
-            backend: Any = None,
-            init_method: Any = None,
-            timeout: Any = None,
-            world_size: int = -1,
-            rank: int = -1,
-            store: Any = None,
-            **kwargs: Any,
-        ) -> None:
-            ws = world_size if world_size and world_size > 0 else int(os.environ.get("WORLD_SIZE", me.world))
-            rk = rank if rank is not None and rank >= 0 else int(os.environ.get("RANK", me.rank))
-            if ws != me.world:
-                me.refuse(f"the program asks for world size {ws}; the trace was recorded with {me.world}")
-            if rk != me.rank:
-                me.refuse(f"the program asks for rank {rk}; this replay plays rank {me.rank}")
-            kwargs.pop("device_id", None)  # no eager communicator: there is nothing to connect to
-            kwargs.pop("pg_options", None)
-            args: dict[str, Any] = {
-                "backend": "fake",
-                "store": FakeStore(),
-                "world_size": me.world,
-                "rank": me.rank,
-            }
-            if timeout is not None:
-                args["timeout"] = timeout
-            original_init(**args, **kwargs)
-
-        def new_group(*args: Any, **kwargs: Any) -> Any:
-            kwargs.pop("backend", None)
-            kwargs.pop("pg_options", None)
-            if len(args) > 2:
-                args = (*args[:2], None, *args[3:])
-            return original_new_group(*args, **kwargs)
-
-        for mod in (dist, c10d):
-            setattr(mod, "init_process_group", init_process_group)  # noqa: B010
-            setattr(mod, "new_group", new_group)  # noqa: B010
 
     # -- collectives -----------------------------------------------------------------------
     def run(self, call: CollectiveCall, real: Any) -> Any:
@@ -265,14 +193,14 @@ class Replayer:
         self.seq += 1
         self.rec.advance(seq)
         exp = self.rec.colls.get(seq)
-        verify = self.verifying()
-        if verify and not self._threads_checked:
+        verify_now = self.verifying()
+        if verify_now and not self._threads_checked:
             self._check_threads()
         if exp is None and self.truncated:
             self._record_ended(f"before collective #{seq} ({call.op})")
         if exp is None:
             result = real()
-            if verify:
+            if verify_now:
                 self.diverge(
                     Divergence(
                         kind="extra_collective",
@@ -287,206 +215,36 @@ class Replayer:
                     stop=True,
                 )
             return result
-        if verify:
-            self._check_call(call, exp, seq, call.inputs, exp.role("i"), "input")
+        base = self._base(seq, call.op, exp.pg)
+        if verify_now:
+            self._found(
+                verify.check_call(self.rec, call, exp, base, call.inputs, exp.role("i"), "input", self.notes)
+            )
         result = real()
         call.set_outputs(result)  # functional collectives: the outputs exist only now
         wait_result(result, call)
-        if verify:
-            self._check_call(call, exp, seq, call.outputs, exp.role("o"), "output")
+        if verify_now:
+            self._found(
+                verify.check_call(
+                    self.rec, call, exp, base, call.outputs, exp.role("o"), "output", self.notes
+                )
+            )
         if self.live:
-            if verify:
-                self._check_outputs(call, exp, seq)
+            if verify_now:
+                self._found(verify.check_live_outputs(self.rec, call, exp, base))
         else:
-            self._fill_outputs(call, exp, verify)
+            self._found(verify.fill_outputs(self.rec, call, exp, verify_now, base, self.restore_step))
         self.step_colls += 1
-        if verify:
+        if verify_now:
             self.verified_colls += 1
         return result
 
-    def _pg_matches(self, call: CollectiveCall, exp: ExpectedColl) -> str | None:
-        info = self.rec.process_groups.get(exp.pg)
-        pg = call.process_group
-        if info is None or pg is None:
-            return None
-        if int(info["size"]) != pg.size() or int(info["group_rank"]) != pg.rank():
-            return (
-                f"process group of size {pg.size()} (group rank {pg.rank()}); recorded size {info['size']} "
-                f"(group rank {info['group_rank']}, ranks {info['ranks']})"
-            )
-        return None
+    def _base(self, seq: int, op: str, pg: int) -> dict[str, Any]:
+        return {"rank": self.rank, "step": self.step, "micro": self.micro, "seq": seq, "op": op, "pg": pg}
 
-    def _check_call(
-        self,
-        call: CollectiveCall,
-        exp: ExpectedColl,
-        seq: int,
-        tensors: list[torch.Tensor],
-        expected: list[ExpectedTensor],
-        role: str,
-    ) -> None:
-        base: dict[str, Any] = {
-            "rank": self.rank,
-            "step": self.step,
-            "micro": self.micro,
-            "seq": seq,
-            "op": call.op,
-            "pg": exp.pg,
-        }
-        if role == "input":
-            if call.op != exp.op:
-                self.diverge(
-                    Divergence(kind="op", **base, detail=f"replay issued {call.op}; recorded {exp.op}"),
-                    stop=True,
-                    feeding=True,
-                )
-                return
-            pg_problem = self._pg_matches(call, exp)
-            if pg_problem:
-                self.diverge(Divergence(kind="process_group", **base, detail=pg_problem), stop=True)
-                return
-        if len(expected) != len(tensors):
-            self.diverge(
-                Divergence(kind="shape", **base, detail=f"{len(tensors)} {role}s; recorded {len(expected)}"),
-                stop=True,
-            )
-            return
-        for i, (t, e) in enumerate(zip(tensors, expected, strict=True)):
-            t = capture.local(t)
-            dtype = str(t.dtype).removeprefix("torch.")
-            if dtype != e.dtype or tuple(t.shape) != e.shape:
-                self.diverge(
-                    Divergence(
-                        kind="shape",
-                        **base,
-                        tensor=f"{role} {i}",
-                        detail=f"{dtype}{list(t.shape)}; recorded {e.dtype}{list(e.shape)}",
-                    ),
-                    stop=True,
-                    feeding=True,
-                )
-                return
-        if role != "input":
-            return
-        ins = expected
-        for i, (t, e) in enumerate(zip(call.inputs, ins, strict=True)):
-            t = capture.local(t)
-            fp, _nf, _ = fingerprint(t, e.algo)
-            fp = _value(fp)
-            if fp != e.fp:
-                self.diverge(
-                    Divergence(
-                        kind="collective_input",
-                        **base,
-                        tensor=f"input {i}",
-                        expected_fp=e.fp,
-                        actual_fp=fp,
-                        magnitude=self._input_magnitude(call, exp, t, i),
-                    ),
-                    stop=True,
-                    feeding=True,
-                )
-                return
-
-    def _input_magnitude(
-        self, call: CollectiveCall, exp: ExpectedColl, t: torch.Tensor, i: int
-    ) -> dict | None:
-        ins = exp.role("i")
-        try:
-            if ins[i].payload >= 0:
-                return magnitude(self.rec.tensor(ins[i]), t)
-            outs = exp.role("o")
-            pg = call.process_group
-            if exp.op in ALL_GATHER_OPS and len(outs) == len(ins) and outs[i].payload >= 0 and pg is not None:
-                # An all-gather's output holds every rank's input: this rank's chunk is what it sent.
-                chunk = self.rec.tensor(outs[i]).reshape(pg.size(), -1)[pg.rank()]
-                return magnitude(chunk.reshape(t.shape), t)
-            if exp.op == "allgather_" and len(outs) >= 1 and pg is not None:
-                out = outs[pg.rank()]
-                if out.payload >= 0:
-                    return magnitude(self.rec.tensor(out), t)
-        except Exception as e:  # magnitude is a bonus; never let it hide the divergence
-            self.notes.append(f"could not compute the divergence magnitude: {e!r}")
-        return None
-
-    def _check_outputs(self, call: CollectiveCall, exp: ExpectedColl, seq: int) -> None:
-        """All-rank replay: the live result must equal the recorded one."""
-        for i, (t, e) in enumerate(zip(call.outputs, exp.role("o"), strict=False)):
-            t = capture.local(t)
-            fp = _value(fingerprint(t, e.algo)[0])
-            if fp != e.fp:
-                mag = magnitude(self.rec.tensor(e), t) if e.payload >= 0 else None
-                self.diverge(
-                    Divergence(
-                        kind="collective_output",
-                        rank=self.rank,
-                        step=self.step,
-                        micro=self.micro,
-                        seq=seq,
-                        op=exp.op,
-                        pg=exp.pg,
-                        tensor=f"output {i}",
-                        expected_fp=e.fp,
-                        actual_fp=fp,
-                        magnitude=mag,
-                    ),
-                    feeding=True,
-                )
-                return
-
-    def _fill_outputs(self, call: CollectiveCall, exp: ExpectedColl, verify: bool) -> None:
-        for t, e in zip(call.outputs, exp.role("o"), strict=False):
-            dst = capture.local(t)
-            if e.payload >= 0:
-                with torch.no_grad():
-                    dst.copy_(self.rec.tensor(e))
-            elif verify:
-                self.diverge(
-                    Divergence(
-                        kind="payload_missing",
-                        rank=self.rank,
-                        step=self.step,
-                        micro=self.micro,
-                        seq=exp.seq,
-                        op=exp.op,
-                        pg=exp.pg,
-                        detail=self._missing_payload_hint(exp.step),
-                    ),
-                    stop=True,
-                    unusable=True,
-                )
-            else:
-                with torch.no_grad():
-                    dst.zero_()  # fast-forward before the restored snapshot: values are overwritten later
-
-    def _missing_payload_hint(self, step: int) -> str:
-        """Why the trace has no payload for ``step``, from what the recording was asked to keep
-        and what it reported dropping; and what to do about it."""
-        policy = str((self.rec.meta.get("policy") or {}).get("payloads", "all"))
-        counters = (self.rec.attrs.get("end") or {}).get("counters") or {}
-        dropped = int(counters.get("blobs_dropped", 0))
-        damaged = int(self.rec.attrs.get("payload_missing", 0))
-        try:
-            wanted = step in StepSet.parse(policy)
-        except ConfigError:
-            wanted = True
-        head = f"the trace holds no payload for a collective of step {step}"
-        if wanted and dropped:
-            return (
-                f"{head}: the recording kept payloads for {policy} but dropped {dropped} of them "
-                f"({int(counters.get('blob_bytes_dropped', 0)) / 1e6:.1f} MB; the disk was full or the "
-                "in-memory bound was reached). Replay steps whose payloads were kept, or record again "
-                "with more free space"
-            )
-        if wanted and damaged:
-            return f"{head}: {damaged} stored payloads were lost to spool damage (see `fsdp-replay inspect`)"
-        if wanted:
-            return f"{head}, although the recording kept payloads for {policy}"
-        return (
-            f"{head}: the recording kept payloads for {policy}; an isolated replay of steps "
-            f"{self.restore_step}.. needs the payloads of those steps (record with --payloads all or "
-            f"steps:{self.restore_step}-...)"
-        )
+    def _found(self, f: verify.Finding | None) -> None:
+        if f is not None:
+            self.diverge(f.divergence, stop=f.stop, feeding=f.feeding, unusable=f.unusable)
 
     # -- steps -----------------------------------------------------------------------------
     def on_step_begin(self, opt: torch.optim.Optimizer) -> None:
@@ -542,42 +300,10 @@ class Replayer:
                 stop=True,
             )
             return
-        if exp.micro_steps != self.micro:
-            self.diverge(
-                Divergence(
-                    kind="micro_steps",
-                    **base,
-                    detail=f"{self.micro} backward passes in this step; recorded {exp.micro_steps}",
-                )
-            )
-        params = capture.optimizer_params(opt)
-        names = self._param_names(params)
-        locals_ = [capture.local(p).detach() for p in params]
-        batched = fingerprint_many(locals_)  # the recorder's own path: one read-back on a GPU
-        for i, (p, (efp, _enf, algo)) in enumerate(zip(params, exp.params, strict=False)):
-            got, _nf, got_algo = batched[i]
-            fp = _value(got) if got_algo == algo else _value(fingerprint(locals_[i], algo)[0])
-            if fp != efp:
-                self.diverge(
-                    Divergence(
-                        kind="parameters",
-                        **base,
-                        tensor=names[i],
-                        expected_fp=efp,
-                        actual_fp=fp,
-                        magnitude=self._param_magnitude(i, p),
-                        detail="parameters after the optimizer step differ",
-                    )
-                )
-                break
+        names = self._param_names(capture.optimizer_params(opt))
+        for f in verify.check_parameters(self.rec, opt, exp, base, names):
+            self._found(f)
         self.verified_steps.append(self.step)
-
-    def _param_magnitude(self, index: int, p: torch.Tensor) -> dict | None:
-        snap = self.rec.snapshots.get(self.step + 1)
-        if not snap or snap.get("payload", -1) < 0:
-            return None
-        state = capture.decode_snapshot(self.rec.blob(int(snap["payload"])))
-        return magnitude(state["optimizers"][0]["params"][index], capture.local(p))
 
     def _param_names(self, params: list[torch.Tensor]) -> list[str]:
         snap = next(iter(self.rec.snapshots.values()), None)
@@ -588,40 +314,9 @@ class Replayer:
         return [f"param {i}" for i in range(len(params))]
 
     def _check_rng(self, step: int) -> None:
-        exp = self.rec.rng.get(step)
-        if exp is None:
-            return
-        fps, _ = capture.encode_rng(capture.rng_state())
-        for k in ("python", "torch", "numpy"):
-            if k in exp and k in fps and fps[k] != exp[k]:
-                self.diverge(
-                    Divergence(
-                        kind="rng",
-                        rank=self.rank,
-                        step=step - 1,
-                        micro=self.micro,
-                        tensor=k,
-                        expected_fp=exp[k],
-                        actual_fp=fps[k],
-                        detail=f"the {k} RNG state at the end of step {step - 1} differs: the "
-                        "program drew a different amount of randomness",
-                    )
-                )
-                return
-
-    def _restore_rng(self, step: int, what: str) -> None:
-        exp = self.rec.rng.get(step)
-        if exp is None or exp["payload"] < 0:
-            self.notes.append(f"no RNG state recorded at {what}")
-            return
-        fps, _ = capture.encode_rng(capture.rng_state())
-        differs = [k for k in ("python", "torch", "numpy") if k in exp and k in fps and fps[k] != exp[k]]
-        capture.set_rng_state(capture.decode_rng(self.rec.blob(exp["payload"])))
-        if differs and step < 0:
-            self.notes.append(
-                f"the {', '.join(differs)} RNG state at {what} differed from the recorded one and was "
-                "restored (Python's and numpy's are seeded from the OS unless the program seeds them)"
-            )
+        d = restore.rng_divergence(self.rec, step, self.rank, self.micro)
+        if d is not None:
+            self.diverge(d)
 
     def _restore(self, opt: torch.optim.Optimizer) -> None:
         snap = self.snapshot
@@ -632,25 +327,8 @@ class Replayer:
                 f"before step {self.restore_step} the replay issued {self.seq} collectives; the record "
                 f"has {expected_seq}"
             )
-        state = capture.decode_snapshot(self.rec.blob(int(snap["payload"])))
-        saved = state["optimizers"][0]
-        params = capture.optimizer_params(opt)
-        with torch.no_grad():
-            for p, value in zip(params, saved["params"], strict=True):
-                capture.local(p).copy_(value)
-            for p, st in zip(params, saved["state"], strict=True):
-                current = opt.state[p]
-                for k, v in st.items():
-                    cur = current.get(k)
-                    if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor):
-                        capture.local(cur).copy_(v)
-                    else:
-                        current[k] = v
-            for group, g in zip(opt.param_groups, saved["param_groups"], strict=True):
-                group.update({k: v for k, v in g.items() if k != "params"})
-        for sched, s in zip(capture.schedulers_of(opt), saved["schedulers"], strict=False):
-            sched.load_state_dict(s["state"])
-        self._restore_rng(self.restore_step, f"step {self.restore_step}")
+        restore.restore_snapshot(self.rec, snap, opt)
+        restore.restore_rng(self.rec, self.restore_step, f"step {self.restore_step}", self.notes)
 
     # -- backward and batches --------------------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
@@ -675,61 +353,23 @@ class Replayer:
         self.micro += 1
 
     def on_batch(self, iterator: Any, batch: Any) -> Any:
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
         n = self.batches
         self.batches += 1
         if n >= len(self.rec.batches):
             return None
-        exp = self.rec.batches[n]
-        leaves, spec = tree_flatten(batch)
-        tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        expected: list[ExpectedTensor] = exp["tensors"]
-        if len(tensor_idx) != len(expected):
-            self.notes.append(
-                f"batch {n} has {len(tensor_idx)} tensors; recorded {len(expected)}: not replaced"
-            )
-            return None
-        same = all(
-            _value(fingerprint(leaves[i], e.algo)[0]) == e.fp
-            for i, e in zip(tensor_idx, expected, strict=True)
-        )
-        if same:
-            return None
-        self.data_differences += 1
-        if any(e.payload < 0 for e in expected):
-            if self.verifying():
-                self.diverge(
-                    Divergence(
-                        kind="batch",
-                        rank=self.rank,
-                        step=self.step,
-                        micro=self.micro,
-                        detail=f"batch {n} differs from the recorded one, whose bytes were not stored",
-                    ),
-                    stop=True,
-                    unusable=True,
-                )
-            return None
-        if self.data_differences == 1:
-            self.notes.append(
-                f"the DataLoader produced different data than recorded (first at batch {n}, step "
-                f"{self.step}); the recorded batches were fed instead"
-            )
-        for i, e in zip(tensor_idx, expected, strict=True):
-            leaves[i] = self.rec.tensor(e).to(leaves[i].device).clone()
-        return tree_unflatten(leaves, spec)
+        base = {"rank": self.rank, "step": self.step, "micro": self.micro}
+        fed = feed.recorded_batch(self.rec, n, batch, base, self.notes, first=self.data_differences == 0)
+        if fed.differs:
+            self.data_differences += 1
+        if fed.finding is not None and self.verifying():
+            self._found(fed.finding)
+        return fed.batch
 
     # -- divergence and the end ------------------------------------------------------------
     def _check_threads(self) -> None:
         self._threads_checked = True
-        recorded = (self.rec.meta.get("threads") or {}).get("intra_op")
-        now = torch.get_num_threads()
-        if recorded is not None and recorded != now:
-            msg = (
-                f"intra-op threads: recorded {recorded}, replay {now}. CPU kernels split reductions by thread, "
-                "so float results can differ in the last bits: set OMP_NUM_THREADS to the recorded value"
-            )
+        msg = verify.thread_note(self.rec)
+        if msg is not None:
             self.notes.append(msg)
             log.warning("fsdp-replay: %s", msg)
 
@@ -753,33 +393,6 @@ class Replayer:
             flush=True,
         )
 
-    def report(self, status: str, reason: str) -> dict[str, Any]:
-        return {
-            "status": status,
-            "reason": reason,
-            "rank": self.rank,
-            "live": self.live,
-            "world_size": self.world,
-            "trace": self.trace.url,
-            "from_step": self.from_step,
-            "to_step": self.to_step,
-            "restored_snapshot": self.restore_step if self.restore_step > 0 else None,
-            "verified_steps": self.verified_steps,
-            "collectives_verified": self.verified_colls,
-            "collectives_per_step": self.colls_per_step,
-            "recorded_steps": len(self.rec.steps),
-            "recorded_collectives": len(self.rec.colls),
-            "record_complete": self.complete,
-            "replayed_collectives": self.seq,
-            "first_divergence": self.divergences[0].as_dict() if self.divergences else None,
-            "divergences": [d.as_dict() for d in self.divergences[:20]],
-            "data_differences": self.data_differences,
-            "notes": self.notes,
-            "determinism": self.rec.meta.get("determinism"),
-            "recorded_on_cuda": "cuda" in self.rec.attrs.get("device_names", []),
-            "seconds": time.monotonic() - self.t0,
-        }
-
     def finish(self, status: str, code: int, reason: str | None = None) -> None:
         """Write report.json; leave the process now unless the program is ending by itself.
 
@@ -798,7 +411,7 @@ class Replayer:
         if self.live:
             out = out / RANK_REPORT_FMT.format(rank=self.rank)
         out.mkdir(parents=True, exist_ok=True)
-        doc = self.report(status, reason or status)
+        doc = build_report(self, status, reason or status)
         atomic_write(out / REPORT_JSON, json.dumps(doc, indent=2, default=str) + "\n")
         if not at_exit:
             sys.stdout.flush()
@@ -822,27 +435,6 @@ class Replayer:
             )
             return "diverged", EXIT_DIVERGED
         return "bit-exact", EXIT_OK
-
-
-def feeding_modules() -> list[str]:
-    """Names of the parameters whose collective this is, found in the FSDP frames that issued it."""
-    frame = sys._getframe(1)
-    found: list[str] = []
-    while frame is not None and not found:
-        owner = frame.f_locals.get("self")
-        fsdp_params = frame.f_locals.get("fsdp_params") or getattr(owner, "fsdp_params", None)
-        if fsdp_params:  # FSDP2: FSDPParamGroup.unshard / post_backward
-            for fp in fsdp_params:
-                fqn = getattr(fp, "_param_fqn", None)
-                info = getattr(fp, "_module_info", None)
-                if fqn is None and info is not None:
-                    fqn = f"{type(info.module).__name__}.{info.param_name}"
-                found.append(str(fqn))
-        flat = getattr(owner, "flat_param", None)
-        if flat is not None and getattr(flat, "_fqns", None):  # FSDP1: FlatParamHandle
-            found.extend(str(f) for f in flat._fqns)
-        frame = frame.f_back  # type: ignore[assignment]
-    return found[:50]
 
 
 def attach_replay(config: ReplayConfig) -> Replayer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -152,4 +153,33 @@ def merge_reports(reports: list[dict[str, Any]], world: int) -> dict[str, Any]:
         "ranks": {r["rank"]: r.get("status") for r in reports},
         "first_divergence": firsts[0] if firsts else None,
         "collectives_verified": sum(r.get("collectives_verified", 0) for r in reports),
+    }
+
+
+def build_report(r: Any, status: str, reason: str) -> dict[str, Any]:
+    """``report.json`` of a replayer ``r`` (``replayer/agent.py``), with its verdict."""
+    return {
+        "status": status,
+        "reason": reason,
+        "rank": r.rank,
+        "live": r.live,
+        "world_size": r.world,
+        "trace": r.trace.url,
+        "from_step": r.from_step,
+        "to_step": r.to_step,
+        "restored_snapshot": r.restore_step if r.restore_step > 0 else None,
+        "verified_steps": r.verified_steps,
+        "collectives_verified": r.verified_colls,
+        "collectives_per_step": r.colls_per_step,
+        "recorded_steps": len(r.rec.steps),
+        "recorded_collectives": len(r.rec.colls),
+        "record_complete": r.complete,
+        "replayed_collectives": r.seq,
+        "first_divergence": r.divergences[0].as_dict() if r.divergences else None,
+        "divergences": [d.as_dict() for d in r.divergences[:20]],
+        "data_differences": r.data_differences,
+        "notes": r.notes,
+        "determinism": r.rec.meta.get("determinism"),
+        "recorded_on_cuda": "cuda" in r.rec.attrs.get("device_names", []),
+        "seconds": time.monotonic() - r.t0,
     }

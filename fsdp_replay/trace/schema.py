@@ -7,7 +7,7 @@ Two on-disk forms share it:
 - the **trace**: the Zarr v3 store the collector builds from spools (``collect.py``), one group
   per rank, one 1-D array per field, and content-addressed blobs shared by all ranks.
 
-``docs/trace-format.md`` specifies both; ``tests/test_schema.py`` pins the key sets below so
+``docs/trace-format.md`` specifies both; ``tests/trace/test_schema.py`` pins the key sets below so
 that a change here is a deliberate format change.
 """
 

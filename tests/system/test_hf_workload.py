@@ -22,7 +22,7 @@ from fsdp_replay.trace.reader import Trace
 pytest.importorskip("transformers", reason="the Hugging Face workload needs transformers (the test extras)")
 
 pytestmark = pytest.mark.slow
-WORKLOAD = Path(__file__).parent / "workloads" / "hf_train.py"
+WORKLOAD = Path(__file__).parents[1] / "workloads" / "hf_train.py"
 STEPS, ACCUM, BLOCKS = 4, 2, 2  # hf_train.py defaults: 4 optimizer steps of 2 micro-batches, 2 GPT-2 blocks
 FSDP_GROUPS = BLOCKS + 1  # one fully_shard per block, plus the root (embeddings, tied lm_head, final norm)
 

@@ -21,7 +21,7 @@ from fsdp_replay.analysis.summary import rank_summary, recording_cost
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
 
-WORKLOADS = Path(__file__).parent / "workloads"
+WORKLOADS = Path(__file__).parents[1] / "workloads"
 SMALL = ("--steps", "6", "--layers", "2", "--d-model", "64", "--seq-len", "32")
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,11 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 from harness import REPO, record
 
 
+@pytest.mark.slow
 def test_the_trace_format_example_runs_as_written(tmp_path: Path) -> None:
     doc = (REPO / "docs" / "trace-format.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)

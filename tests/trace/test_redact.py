@@ -19,7 +19,7 @@ from fsdp_replay.trace import redact, schema
 from fsdp_replay.trace.reader import Trace
 
 R = schema.REDACTED
-WORKLOADS = Path(__file__).parent / "workloads"
+WORKLOADS = Path(__file__).parents[1] / "workloads"
 
 B64_TOKEN = "7vJGM4aj47KQmVow+ymdb1B5WAouLGL6"  # 32 random base64 characters
 URLSAFE_TOKEN = "uDNfhYenYqpJrv-GzaO7kKXAG2Mdf9g_"

@@ -1,0 +1,80 @@
+"""What the recorder's parts share: where the program is, what recording costs it, its counters.
+
+``AgentState`` is one object per recording process, handed to each part of the recorder (the
+collective hot path, tensor records, process groups, the C++-kernel bridge, batches) instead of
+each part calling back into the recorder. ``counters`` is the one counters dict that step and end
+events carry (``step.counters``, ``end.counters``): what the sidecar's metrics read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_replay.agent.writer import BackgroundWriter
+
+
+class Position:
+    """The next collective's sequence number, the step and the micro-step. When the C++ kernel is
+    attached, its shared state (same fields) takes this one's place: both number from one counter."""
+
+    __slots__ = ("micro", "seq", "step")
+
+    def __init__(self, seq: int = 0, step: int = 0, micro: int = 0) -> None:
+        self.seq, self.step, self.micro = seq, step, micro
+
+
+class AgentState:
+    __slots__ = (
+        "batches",
+        "cpu_ns",
+        "errors",
+        "failed",
+        "payload_now",
+        "pos",
+        "program_ns",
+        "recording",
+        "snapshots",
+        "t0",
+        "writer",
+    )
+
+    def __init__(self, payload_now: bool) -> None:
+        self.pos: Any = Position()
+        self.t0 = time.monotonic_ns()
+        self.recording = True  # False after an internal error, and in a forked child
+        self.failed = False
+        self.errors = 0
+        self.cpu_ns = 0  # thread CPU time spent in our hooks, on the program's threads
+        self.program_ns = 0  # of which the program's own work they ran (not counted in cpu_ns)
+        self.payload_now = payload_now  # the current step's payloads are stored
+        self.writer: BackgroundWriter | None = None  # started with the rank's first record
+        self.batches = 0
+        self.snapshots = 0
+
+    def t_ns(self) -> int:
+        """Monotonic ns since the agent started: the ``t_ns`` of events."""
+        return time.monotonic_ns() - self.t0
+
+    def program(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the program's own work (the collective, its wait) inside our hooks, timed apart."""
+        t0 = time.thread_time_ns()
+        try:
+            return fn(*args)
+        finally:
+            self.program_ns += time.thread_time_ns() - t0
+
+
+def counters(state: AgentState, writer: BackgroundWriter, agent_cpu_ns: int) -> dict[str, int]:
+    """The agent's counters so far: the writer's (events, blobs, drops, write errors), the
+    agent's errors, batches and snapshots, and the CPU time recording has cost (ns)."""
+    out = writer.counters.as_dict()
+    out.update(
+        agent_errors=state.errors,
+        agent_cpu_ns=agent_cpu_ns,
+        writer_cpu_ns=writer.cpu_ns(),
+        batches=state.batches,
+        snapshots=state.snapshots,
+    )
+    return out

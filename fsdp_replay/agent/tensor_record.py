@@ -1,0 +1,70 @@
+"""A tensor as events record it: its fingerprint, and its bytes staged for the writer when stored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fsdp_replay.agent import capture
+from fsdp_replay.agent.config import RecordConfig
+from fsdp_replay.agent.counters import AgentState
+from fsdp_replay.agent.fingerprint import fingerprint, nbytes_of
+from fsdp_replay.agent.writer import BlobRef
+from fsdp_replay.trace import schema
+from fsdp_replay.trace.events import Tensor
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16`` (the names of trace/dtypes.py)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def entry(role: str, t: torch.Tensor, fp: Any, algo: str, nf: Any, blob: Any) -> Tensor:
+    """A tensor as events store it (``events.Tensor``)."""
+    return Tensor(role, dtype_name(t.dtype), list(t.shape), fp, algo, nf, blob, t.device.type)
+
+
+def placeholder(t: torch.Tensor) -> Tensor:
+    """An input whose fingerprint is filled in later (after issue, or with its output)."""
+    return entry("i", capture.local(t), None, schema.FP_SK64, None, schema.NO_BLOB)
+
+
+class TensorRecorder:
+    """Fingerprints tensors and, for stored ones, copies their bytes for the writer: on the CPU
+    now, from a GPU into pinned memory behind an event (the writer waits for it, not the program)."""
+
+    def __init__(self, config: RecordConfig, state: AgentState) -> None:
+        self.max_pending_bytes = config.max_pending_bytes
+        self.state = state
+
+    def record(
+        self, role: str, t: torch.Tensor, store: bool, known: tuple[int, bool, str] | None = None
+    ) -> Tensor:
+        """A tensor's entry; fingerprinted here unless its (fingerprint, nonfinite, algo) is ``known``."""
+        w = self.state.writer
+        assert w is not None
+        t = capture.local(t)
+        fp, nf, algo = known if known is not None else fingerprint(t)
+        blob: Any = schema.NO_BLOB
+        if store:
+            nbytes = nbytes_of(t)
+            if w.pending_bytes + nbytes > self.max_pending_bytes:
+                w.count_dropped(nbytes)
+            else:
+                blob = BlobRef()
+                if t.device.type == "cpu":
+                    copy = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
+                    w.blob(blob, copy, fp, nbytes, algo)
+                else:
+                    copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    copy.copy_(t.detach(), non_blocking=True)
+                    ready = torch.cuda.Event(blocking=True)
+                    ready.record()
+                    w.blob(blob, copy, fp, nbytes, algo, ready)
+        return entry(role, t, fp, algo, nf, blob)

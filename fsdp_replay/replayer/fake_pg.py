@@ -1,0 +1,59 @@
+"""The replayed rank's process groups: torch's fake backend, so that it talks to nobody.
+
+``init_process_group`` and ``new_group`` are redirected to the ``fake`` backend (rank R of N, no
+peers, no network); a program asking for another world size or rank is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+
+def redirect_to_fake_pg(replay_world: int, replay_rank: int, refuse: Callable[[str], None]) -> None:
+    import torch.distributed.distributed_c10d as c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    original_init = c10d.init_process_group
+    original_new_group = c10d.new_group
+
+    def init_process_group(
+        backend: Any = None,
+        init_method: Any = None,
+        timeout: Any = None,
+        world_size: int = -1,
+        rank: int = -1,
+        store: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        ws = world_size if world_size and world_size > 0 else int(os.environ.get("WORLD_SIZE", replay_world))
+        rk = rank if rank is not None and rank >= 0 else int(os.environ.get("RANK", replay_rank))
+        if ws != replay_world:
+            refuse(f"the program asks for world size {ws}; the trace was recorded with {replay_world}")
+        if rk != replay_rank:
+            refuse(f"the program asks for rank {rk}; this replay plays rank {replay_rank}")
+        kwargs.pop("device_id", None)  # no eager communicator: there is nothing to connect to
+        kwargs.pop("pg_options", None)
+        args: dict[str, Any] = {
+            "backend": "fake",
+            "store": FakeStore(),
+            "world_size": replay_world,
+            "rank": replay_rank,
+        }
+        if timeout is not None:
+            args["timeout"] = timeout
+        original_init(**args, **kwargs)
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("backend", None)
+        kwargs.pop("pg_options", None)
+        if len(args) > 2:
+            args = (*args[:2], None, *args[3:])
+        return original_new_group(*args, **kwargs)
+
+    for mod in (dist, c10d):
+        setattr(mod, "init_process_group", init_process_group)  # noqa: B010
+        setattr(mod, "new_group", new_group)  # noqa: B010

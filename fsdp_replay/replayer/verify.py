@@ -1,0 +1,275 @@
+"""What the replayed rank is checked against: each check returns its finding; the replayer decides.
+
+A ``Finding`` is a ``Divergence`` plus what it means for the replay: ``stop`` (nothing after it can
+be compared), ``feeding`` (name the parameters that feed the collective), ``unusable`` (the trace
+cannot answer, which is not a divergence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fsdp_replay.agent import capture
+from fsdp_replay.agent.collectives import CollectiveCall
+from fsdp_replay.agent.config import StepSet
+from fsdp_replay.agent.fingerprint import Pending, fingerprint, fingerprint_many
+from fsdp_replay.errors import ConfigError
+from fsdp_replay.replayer.expected import ExpectedColl, ExpectedTensor, RankRecord
+from fsdp_replay.replayer.report import Divergence, magnitude
+from fsdp_replay.trace.ops import ALL_GATHER_OPS
+
+
+@dataclass(slots=True)
+class Finding:
+    divergence: Divergence
+    stop: bool = False
+    feeding: bool = False
+    unusable: bool = False
+
+
+def value(x: Any) -> Any:
+    """A fingerprint, waiting for it if it is still on the device."""
+    return x.value() if isinstance(x, Pending) else x
+
+
+def pg_problem(rec: RankRecord, call: CollectiveCall, exp: ExpectedColl) -> str | None:
+    info = rec.process_groups.get(exp.pg)
+    pg = call.process_group
+    if info is None or pg is None:
+        return None
+    if int(info["size"]) != pg.size() or int(info["group_rank"]) != pg.rank():
+        return (
+            f"process group of size {pg.size()} (group rank {pg.rank()}); recorded size {info['size']} "
+            f"(group rank {info['group_rank']}, ranks {info['ranks']})"
+        )
+    return None
+
+
+def check_call(
+    rec: RankRecord,
+    call: CollectiveCall,
+    exp: ExpectedColl,
+    base: dict[str, Any],
+    tensors: list[torch.Tensor],
+    expected: list[ExpectedTensor],
+    role: str,
+    notes: list[str],
+) -> Finding | None:
+    """The op, process group, dtypes and shapes of ``tensors`` (the call's inputs or outputs),
+    and for inputs their fingerprints, against the record."""
+    if role == "input":
+        if call.op != exp.op:
+            d = Divergence(kind="op", **base, detail=f"replay issued {call.op}; recorded {exp.op}")
+            return Finding(d, stop=True, feeding=True)
+        problem = pg_problem(rec, call, exp)
+        if problem:
+            return Finding(Divergence(kind="process_group", **base, detail=problem), stop=True)
+    if len(expected) != len(tensors):
+        d = Divergence(kind="shape", **base, detail=f"{len(tensors)} {role}s; recorded {len(expected)}")
+        return Finding(d, stop=True)
+    for i, (t, e) in enumerate(zip(tensors, expected, strict=True)):
+        t = capture.local(t)
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype != e.dtype or tuple(t.shape) != e.shape:
+            detail = f"{dtype}{list(t.shape)}; recorded {e.dtype}{list(e.shape)}"
+            return Finding(Divergence(kind="shape", **base, tensor=f"{role} {i}", detail=detail), True, True)
+    if role != "input":
+        return None
+    for i, (t, e) in enumerate(zip(call.inputs, expected, strict=True)):
+        t = capture.local(t)
+        fp = value(fingerprint(t, e.algo)[0])
+        if fp != e.fp:
+            d = Divergence(
+                kind="collective_input",
+                **base,
+                tensor=f"input {i}",
+                expected_fp=e.fp,
+                actual_fp=fp,
+                magnitude=input_magnitude(rec, call, exp, t, i, notes),
+            )
+            return Finding(d, stop=True, feeding=True)
+    return None
+
+
+def input_magnitude(
+    rec: RankRecord, call: CollectiveCall, exp: ExpectedColl, t: torch.Tensor, i: int, notes: list[str]
+) -> dict[str, Any] | None:
+    """How far input ``i`` is from what was recorded: its own payload, or this rank's part of an
+    all-gather's recorded output (what it sent)."""
+    ins = exp.role("i")
+    try:
+        if ins[i].payload >= 0:
+            return magnitude(rec.tensor(ins[i]), t)
+        outs = exp.role("o")
+        pg = call.process_group
+        if exp.op in ALL_GATHER_OPS and len(outs) == len(ins) and outs[i].payload >= 0 and pg is not None:
+            chunk = rec.tensor(outs[i]).reshape(pg.size(), -1)[pg.rank()]
+            return magnitude(chunk.reshape(t.shape), t)
+        if exp.op == "allgather_" and len(outs) >= 1 and pg is not None:
+            out = outs[pg.rank()]
+            if out.payload >= 0:
+                return magnitude(rec.tensor(out), t)
+    except Exception as e:  # magnitude is a bonus; never let it hide the divergence
+        notes.append(f"could not compute the divergence magnitude: {e!r}")
+    return None
+
+
+def check_live_outputs(
+    rec: RankRecord, call: CollectiveCall, exp: ExpectedColl, base: dict[str, Any]
+) -> Finding | None:
+    """All-rank replay: the live result must equal the recorded one."""
+    for i, (t, e) in enumerate(zip(call.outputs, exp.role("o"), strict=False)):
+        t = capture.local(t)
+        fp = value(fingerprint(t, e.algo)[0])
+        if fp != e.fp:
+            mag = magnitude(rec.tensor(e), t) if e.payload >= 0 else None
+            d = Divergence(
+                kind="collective_output",
+                **{**base, "op": exp.op},
+                tensor=f"output {i}",
+                expected_fp=e.fp,
+                actual_fp=fp,
+                magnitude=mag,
+            )
+            return Finding(d, feeding=True)
+    return None
+
+
+def fill_outputs(
+    rec: RankRecord,
+    call: CollectiveCall,
+    exp: ExpectedColl,
+    verify: bool,
+    base: dict[str, Any],
+    restore_step: int,
+) -> Finding | None:
+    """Write the recorded payloads into the call's outputs (what the peers would have sent)."""
+    for t, e in zip(call.outputs, exp.role("o"), strict=False):
+        dst = capture.local(t)
+        if e.payload >= 0:
+            with torch.no_grad():
+                dst.copy_(rec.tensor(e))
+        elif verify:
+            detail = missing_payload_hint(rec, exp.step, restore_step)
+            return Finding(
+                Divergence(kind="payload_missing", **base, detail=detail), stop=True, unusable=True
+            )
+        else:
+            with torch.no_grad():
+                dst.zero_()  # fast-forward before the restored snapshot: values are overwritten later
+    return None
+
+
+def missing_payload_hint(rec: RankRecord, step: int, restore_step: int) -> str:
+    """Why the trace has no payload for ``step``, from what the recording was asked to keep and
+    what it reported dropping; and what to do about it."""
+    policy = str((rec.meta.get("policy") or {}).get("payloads", "all"))
+    counters = (rec.attrs.get("end") or {}).get("counters") or {}
+    dropped = int(counters.get("blobs_dropped", 0))
+    damaged = int(rec.attrs.get("payload_missing", 0))
+    try:
+        wanted = step in StepSet.parse(policy)
+    except ConfigError:
+        wanted = True
+    head = f"the trace holds no payload for a collective of step {step}"
+    if wanted and dropped:
+        return (
+            f"{head}: the recording kept payloads for {policy} but dropped {dropped} of them "
+            f"({int(counters.get('blob_bytes_dropped', 0)) / 1e6:.1f} MB; the disk was full or the "
+            "in-memory bound was reached). Replay steps whose payloads were kept, or record again "
+            "with more free space"
+        )
+    if wanted and damaged:
+        return f"{head}: {damaged} stored payloads were lost to spool damage (see `fsdp-replay inspect`)"
+    if wanted:
+        return f"{head}, although the recording kept payloads for {policy}"
+    return (
+        f"{head}: the recording kept payloads for {policy}; an isolated replay of steps "
+        f"{restore_step}.. needs the payloads of those steps (record with --payloads all or "
+        f"steps:{restore_step}-...)"
+    )
+
+
+def check_parameters(
+    rec: RankRecord, opt: torch.optim.Optimizer, exp: Any, base: dict[str, Any], names: list[str]
+) -> list[Finding]:
+    """The step's micro-step count and every parameter's fingerprint after the optimizer step."""
+    found: list[Finding] = []
+    if exp.micro_steps != base["micro"]:
+        detail = f"{base['micro']} backward passes in this step; recorded {exp.micro_steps}"
+        found.append(Finding(Divergence(kind="micro_steps", **base, detail=detail)))
+    params = capture.optimizer_params(opt)
+    locals_ = [capture.local(p).detach() for p in params]
+    batched = fingerprint_many(locals_)  # the recorder's own path: one read-back on a GPU
+    for i, (p, (efp, _enf, algo)) in enumerate(zip(params, exp.params, strict=False)):
+        got, _nf, got_algo = batched[i]
+        fp = value(got) if got_algo == algo else value(fingerprint(locals_[i], algo)[0])
+        if fp != efp:
+            d = Divergence(
+                kind="parameters",
+                **base,
+                tensor=names[i],
+                expected_fp=efp,
+                actual_fp=fp,
+                magnitude=param_magnitude(rec, base["step"], i, p),
+                detail="parameters after the optimizer step differ",
+            )
+            found.append(Finding(d))
+            break
+    return found
+
+
+def param_magnitude(rec: RankRecord, step: int, index: int, p: torch.Tensor) -> dict[str, Any] | None:
+    snap = rec.snapshots.get(step + 1)
+    if not snap or snap.get("payload", -1) < 0:
+        return None
+    state = capture.decode_snapshot(rec.blob(int(snap["payload"])))
+    return magnitude(state["optimizers"][0]["params"][index], capture.local(p))
+
+
+def module_finding(
+    expected: list[tuple[int, str, str, int, str]],
+    idx: int,
+    name: str,
+    kind: str,
+    fp: int,
+    base: dict[str, Any],
+) -> Finding | None:
+    """Module call ``idx`` of the step (``name``'s output or output gradient) against the record."""
+    if idx >= len(expected):
+        return None
+    _micro, ename, ekind, efp, _ealgo = expected[idx]
+    if (ename, ekind) == (name, kind) and efp == fp:
+        return None
+    same_place = (ename, ekind) == (name, kind)
+    direction = "output" if kind == "fwd" else "output gradient"
+    detail = (
+        f"the earliest module whose {direction} differs: {name}"
+        if same_place
+        else f"module call #{idx} is {name} ({kind}); recorded {ename} ({ekind}): the program took another path"
+    )
+    d = Divergence(
+        kind="module",
+        **base,
+        tensor=f"{name} ({direction})",
+        expected_fp=efp if same_place else None,
+        actual_fp=fp if same_place else None,
+        detail=detail,
+        modules=[name],
+    )
+    return Finding(d)
+
+
+def thread_note(rec: RankRecord) -> str | None:
+    """What a different intra-op thread count than recorded means, or None when they agree."""
+    recorded = (rec.meta.get("threads") or {}).get("intra_op")
+    now = torch.get_num_threads()
+    if recorded is None or recorded == now:
+        return None
+    return (
+        f"intra-op threads: recorded {recorded}, replay {now}. CPU kernels split reductions by thread, "
+        "so float results can differ in the last bits: set OMP_NUM_THREADS to the recorded value"
+    )
