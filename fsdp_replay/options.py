@@ -162,6 +162,30 @@ def option_env(
     return env
 
 
+# Process-wide switches, not options of one component: read where they act, through these two
+# functions (docs/configuration.md lists them with every other variable).
+PROCESS_SWITCHES = {
+    "FSDP_REPLAY_NATIVE": "0 turns the native fingerprint core off (the torch path gives the same values)",
+    "FSDP_REPLAY_CACHE": "where the C++ kernel is built and cached (default ~/.cache/fsdp-replay)",
+}
+
+
+def process_switch(var: str, default: bool) -> bool:
+    """A process-wide on/off switch (``PROCESS_SWITCHES``); a bad value counts as the default."""
+    raw = os.environ.get(var)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return parse_bool(var, raw)
+    except ConfigError:
+        return default  # read inside a training process: never raise into it
+
+
+def process_setting(var: str) -> str:
+    """A process-wide setting (``PROCESS_SWITCHES``), or empty."""
+    return os.environ.get(var, "").strip()
+
+
 def env_option(
     parser: argparse.ArgumentParser,
     *flags: str,

@@ -102,3 +102,19 @@ def assert_same_params(a: Path, b: Path, nproc: int) -> None:
         assert pa.keys() == pb.keys()
         for k in pa:
             assert torch.equal(pa[k], pb[k]), f"rank {r} parameter {k} differs"
+
+
+def training_ranks(root: Any) -> list[Any]:
+    """The training ranks below a process (a ``psutil.Process``): torchrun sets RANK for them
+    only; the ranks' DataLoader workers are left out."""
+    import psutil
+
+    found = []
+    for p in root.children(recursive=True):
+        try:
+            if "RANK" in p.environ() and "train_fsdp.py" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue
+    pids = {p.pid for p in found}
+    return [p for p in found if p.ppid() not in pids]

@@ -123,7 +123,14 @@ def register(subparsers: Any) -> None:
         "CronJobs, PyTorchJobs, MPIJobs, JobSets) and print it with every annotated pod template "
         "injected. Other documents are printed unchanged; warnings go to stderr.",
     )
-    i.add_argument("-f", "--filename", required=True, help="the manifest file, or - for stdin")
+    given = os.environ.get(env_name("filename"))
+    i.add_argument(
+        "-f",
+        "--filename",
+        required=given is None,
+        default=given,
+        help=f"the manifest file, or - for stdin (env {env_name('filename')})",
+    )
     i.add_argument(
         "--namespace-default",
         action=argparse.BooleanOptionalAction,

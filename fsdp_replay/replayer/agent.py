@@ -28,7 +28,7 @@ import torch
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import CollectiveCall, wait_result
 from fsdp_replay.agent.hooks import Hooks
-from fsdp_replay.errors import FsdpReplayError, TraceIncompleteError
+from fsdp_replay.errors import ExitCode, FsdpReplayError, TraceIncompleteError
 from fsdp_replay.replayer import feed, restore, verify
 from fsdp_replay.replayer.config import ReplayConfig
 from fsdp_replay.replayer.expected import RankRecord
@@ -39,7 +39,7 @@ from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
 from fsdp_replay.trace.reader import Trace
 
 log = logging.getLogger(__name__)
-EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 3
+EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT = ExitCode.OK, ExitCode.FOUND, ExitCode.UNUSABLE
 
 
 def _same_float(a: float, b: float) -> bool:

@@ -105,7 +105,6 @@ SEGMENT_FMT: Final = "seg-{index:06d}.fsrs"
 SEGMENT_RE: Final = re.compile(r"^seg-(\d{6})\.fsrs$")
 RANK_SPOOL_RE: Final = re.compile(r"^rank-(\d{5})$")
 RANK_GROUP_FMT: Final = "rank_{rank:05d}"
-RANK_GROUP_RE: Final = re.compile(r"^rank_(\d{5})$")
 BLOBS_GROUP: Final = "blobs"
 ROOT_ATTR: Final = "fsdp_replay"
 # Rank-group attributes (format 3): {"<table>/<column>": {"len": n, "blake2b": hex}} for every

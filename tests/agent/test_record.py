@@ -15,7 +15,18 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from harness import CLI, EXAMPLE, REPO, assert_same_params, child_env, record, run, torchrun_cmd, train
+from harness import (
+    CLI,
+    EXAMPLE,
+    REPO,
+    assert_same_params,
+    child_env,
+    record,
+    run,
+    torchrun_cmd,
+    train,
+    training_ranks,
+)
 
 from fsdp_replay.analysis.summary import rank_summary, recording_cost
 from fsdp_replay.trace import schema
@@ -133,19 +144,6 @@ def test_identical_payloads_are_stored_once(tmp_path: Path) -> None:
     assert payload_rows == len(set(rt.payload_digest(i) for i in range(payload_rows)))
 
 
-def _workers(proc: psutil.Process) -> list[psutil.Process]:
-    """The training ranks under a record process (torchrun sets RANK for them only)."""
-    found = []
-    for p in proc.children(recursive=True):
-        try:
-            if "RANK" in p.environ() and "train_fsdp.py" in " ".join(p.cmdline()):
-                found.append(p)
-        except psutil.Error:
-            continue
-    pids = {p.pid for p in found}
-    return [p for p in found if p.ppid() not in pids]  # not the ranks' DataLoader workers
-
-
 def test_sigkill_mid_run_leaves_a_readable_trace(tmp_path: Path) -> None:
     out = tmp_path / "killed"
     cmd = [
@@ -170,7 +168,7 @@ def test_sigkill_mid_run_leaves_a_readable_trace(tmp_path: Path) -> None:
             if last >= 5:
                 break
         assert time.monotonic() < deadline, "training did not reach step 5"
-    victims = _workers(psutil.Process(proc.pid))
+    victims = training_ranks(psutil.Process(proc.pid))
     assert len(victims) == 2
     for v in victims:
         v.send_signal(signal.SIGKILL)
@@ -333,7 +331,7 @@ def test_a_hang_killed_with_sigkill_still_shows_where_each_rank_waited(tmp_path:
         if line.startswith("step 1 "):
             break
     time.sleep(8)  # both ranks are now blocked in different collectives
-    victims = _workers(psutil.Process(proc.pid))
+    victims = training_ranks(psutil.Process(proc.pid))
     assert len(victims) == 2
     for v in victims:
         v.send_signal(signal.SIGKILL)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import CLI, EXAMPLE, REPO, child_env, run, torchrun_cmd
+from harness import CLI, EXAMPLE, REPO, child_env, run, torchrun_cmd, training_ranks
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
@@ -26,18 +26,6 @@ from fsdp_replay.trace.reader import Trace
 pytestmark = pytest.mark.slow
 KILLS = 20
 SMALL = ("--layers", "2", "--d-model", "64", "--seq-len", "32")
-
-
-def _ranks(root: psutil.Process) -> list[psutil.Process]:
-    found = []
-    for p in root.children(recursive=True):
-        try:
-            if "RANK" in p.environ() and "train_fsdp.py" in " ".join(p.cmdline()):
-                found.append(p)
-        except psutil.Error:
-            continue
-    pids = {p.pid for p in found}
-    return [p for p in found if p.ppid() not in pids]
 
 
 def _record_and_kill(
@@ -68,7 +56,7 @@ def _record_and_kill(
     ranks: list[psutil.Process] = []
     while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
-        ranks = _ranks(record)
+        ranks = training_ranks(record)
     head = []
     if not during_startup:
         assert proc.stdout is not None

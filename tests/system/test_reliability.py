@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import CLI, EXAMPLE, REPO, child_env, record, run, torchrun_cmd
+from harness import CLI, EXAMPLE, REPO, child_env, record, run, torchrun_cmd, training_ranks
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
@@ -132,7 +132,7 @@ def test_a_killed_run_replays_bit_exact_up_to_its_last_complete_step(tmp_path: P
     for line in proc.stdout:
         if line.startswith("step ") and int(line.split()[1]) >= 3:
             break
-    for p in _ranks(psutil.Process(proc.pid)):
+    for p in training_ranks(psutil.Process(proc.pid)):
         p.send_signal(signal.SIGKILL)
     proc.communicate(timeout=240)
     trace = Trace.open(out / schema.TRACE_DIR)
@@ -352,7 +352,7 @@ def test_killing_record_stops_the_job_it_started(tmp_path: Path) -> None:
         for p in psutil.Process(proc.pid).children(recursive=True)
         if "watchdog" not in " ".join(p.cmdline())
     ]
-    assert len(_ranks(psutil.Process(proc.pid))) == 2
+    assert len(training_ranks(psutil.Process(proc.pid))) == 2
     os.killpg(proc.pid, signal.SIGKILL)  # record and everything in its process group
     proc.wait()
     _gone, alive = psutil.wait_procs(job, timeout=60)
@@ -363,19 +363,6 @@ def test_killing_record_stops_the_job_it_started(tmp_path: Path) -> None:
     assert len(Trace.open(out / schema.TRACE_DIR).ranks) == 2
 
 
-def _ranks(proc: psutil.Process) -> list[psutil.Process]:
-    found = []
-    for p in proc.children(recursive=True):
-        try:
-            if "RANK" in p.environ() and "train_fsdp.py" in " ".join(p.cmdline()):
-                found.append(p)
-        except psutil.Error:
-            continue
-    pids = {p.pid for p in found}
-    return [p for p in found if p.ppid() not in pids]
-
-
-# -- 12. the user's explicit environment wins in a replay --------------------------------------
 def test_a_replay_keeps_the_users_thread_count_and_says_so(recorded: Path, tmp_path: Path) -> None:
     rec = copy_run(recorded, tmp_path / "run")
     report = tmp_path / "rep"

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-ENV = "FSDP_REPLAY_CXX_KERNEL_LIB"
+from fsdp_replay import options
+
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "_kernel.cpp"
 CORE = HERE.parent / "fingerprint" / "_fpcore.c"
@@ -111,7 +112,7 @@ def build_key() -> str:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("FSDP_REPLAY_CACHE") or os.path.join(
+    base = options.process_setting("FSDP_REPLAY_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fsdp-replay"
     )
     return Path(base) / "kernels"

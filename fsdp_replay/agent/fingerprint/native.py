@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fsdp_replay import options
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def library_path() -> Path | None:
 
 
 def _load() -> _Core | None:
-    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not options.process_switch(ENV_DISABLE, default=True):
         return None
     if sys.byteorder != "little":
         return None

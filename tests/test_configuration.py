@@ -1,0 +1,49 @@
+"""docs/configuration.md names every variable that any config field or command option reads."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import fields
+from pathlib import Path
+
+from fsdp_replay import options
+from fsdp_replay.agent.config import RecordConfig
+from fsdp_replay.cli.main import build_parser
+from fsdp_replay.replayer.config import ReplayConfig
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+
+def _variables() -> set[str]:
+    found = {options.env_var(f.name) for cls in (RecordConfig, ReplayConfig) for f in fields(cls)}
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in sub.choices.values():
+        for action in command._actions:
+            found |= set(re.findall(r"\(env (FSDP_REPLAY_[A-Z0-9_]+)", action.help or ""))
+    return found | set(options.PROCESS_SWITCHES)
+
+
+def test_every_variable_is_documented() -> None:
+    doc = DOC.read_text()
+    variables = _variables()
+    assert len(variables) > 60  # the commands' and components' options were all found
+    missing = sorted(v for v in variables if f"`{v}`" not in doc)
+    assert not missing, f"docs/configuration.md does not name: {missing}"
+
+
+def test_every_command_option_is_an_environment_variable() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    bare = []
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            shown = action.option_strings and action.help != argparse.SUPPRESS
+            if (
+                shown
+                and not isinstance(action, argparse._HelpAction)
+                and "(env FSDP_REPLAY_" not in (action.help or "")
+            ):
+                bare.append(f"{name} {action.option_strings[-1]}")
+    assert not bare, f"options without an environment variable: {bare}"
