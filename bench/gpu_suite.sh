@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA device, in one call (the GPU machine is lent by the minute):
-# the gpu-marked tests, then the recording-overhead benchmark on 1 GPU. Results go to $OUT
-# (or ./gpu-results). Python packages the image lacks travel as wheels in .whl/.
+# Everything that needs a CUDA device (the GPU machine is lent by the minute), in two parts that
+# each fit one call: `tests` (the gpu-marked tests and the native core's) and `bench` (the
+# recording-overhead benchmark on 1 GPU, default kernels, with and without the tape); no argument
+# runs both. Results go to $OUT (or ./gpu-results). Python packages the image lacks travel as
+# wheels in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
@@ -15,16 +17,22 @@ fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # The agent's native fingerprint core (pip install -e . builds it here; PYTHONPATH does not).
 if command -v gcc >/dev/null; then
-  gcc -O3 -std=gnu11 -shared -fPIC -o fsdp_replay/agent/_fpcore.so fsdp_replay/agent/_fpcore.c 2>&1 | tee "$OUT/native-build.log"
+  gcc -O3 -std=gnu11 -shared -fPIC -o fsdp_replay/agent/fingerprint/_fpcore.so \
+    fsdp_replay/agent/fingerprint/_fpcore.c 2>&1 | tee "$OUT/native-build.log"
 else
   echo "no gcc: fingerprints use the torch path" | tee "$OUT/native-build.log"
 fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$OUT/machine.txt"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -o addopts="" 2>&1 | tee "$OUT/gpu-tests.log"
-echo "gpu tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
-python3 -m pytest -q -p no:cacheprovider tests/agent/test_native.py -o addopts="" 2>&1 | tee -a "$OUT/gpu-tests.log"
-echo "native core tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
-python3 bench/bench_record.py --nproc 1 --device cuda --steps ${BENCH_STEPS:-30} --reps ${BENCH_REPS:-4} \
-  --configs ${BENCH_CONFIGS:-meta,meta-nosync} --cooldown 0 \
-  --train-args="--deterministic --d-model 1024 --layers 8 --heads 16 --seq-len 512 --batch-size 16 --vocab 8192 --workers 2" \
-  --results "$OUT/record_overhead_gpu" 2>&1 | tail -40 | tee "$OUT/bench.log"
+PART=${1:-all}
+if [ "$PART" = tests ] || [ "$PART" = all ]; then
+  python3 -m pytest -q -s -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/system/test_gpu.py tests/agent/test_fingerprint_many.py tests/agent/test_fingerprint_regions.py} -o addopts="" --durations=0 2>&1 | tee "$OUT/gpu-tests.log"
+  echo "gpu tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
+  python3 -m pytest -q -p no:cacheprovider tests/agent/test_native.py tests/agent/test_tape.py -o addopts="" 2>&1 | tee -a "$OUT/gpu-tests.log"
+  echo "native core and tape tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
+fi
+if [ "$PART" = bench ] || [ "$PART" = all ]; then
+  python3 bench/bench_record.py --nproc 1 --device cuda --steps ${BENCH_STEPS:-30} --reps ${BENCH_REPS:-4} \
+    --configs ${BENCH_CONFIGS:-meta,meta-notape,tape-payloads} --cooldown 0 \
+    --train-args="${BENCH_TRAIN_ARGS:---d-model 1024 --layers 8 --heads 16 --seq-len 512 --batch-size 16 --vocab 8192 --workers 2}" \
+    --results "$OUT/record_overhead_gpu" 2>&1 | tail -40 | tee "$OUT/bench.log"
+fi

@@ -73,6 +73,7 @@ class Config:
     fsdp1: bool = False
     ddp: bool = False
     cpu: bool = False
+    one_gpu: bool = False
     amp: str = "auto"
     threads: int | None = None
     deterministic: bool = False
@@ -115,6 +116,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
     )
     mode.add_argument("--ddp", action="store_true", help="use DistributedDataParallel instead of FSDP2")
     add("--cpu", action="store_true", help="force CPU + gloo even if CUDA is available")
+    add(
+        "--one-gpu",
+        action="store_true",
+        help="every rank on cuda:0 over gloo (several ranks on a one-GPU machine; NCCL refuses that)",
+    )
     add(
         "--amp",
         choices=["auto", "off", "bf16"],
@@ -301,14 +307,13 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device, Any]:
         )
     use_cuda = torch.cuda.is_available() and not cfg.cpu
     if use_cuda:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", 0 if cfg.one_gpu else int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=cfg.pg_timeout)
-    dist.init_process_group(
-        "nccl" if use_cuda else "gloo", timeout=timeout, device_id=device if use_cuda else None
-    )
+    nccl = use_cuda and not cfg.one_gpu
+    dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout, device_id=device if nccl else None)
     # Metrics get their own group so logging never interleaves with gradient traffic.
     metrics_group = dist.new_group(timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device, metrics_group

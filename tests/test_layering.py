@@ -73,3 +73,27 @@ def test_a_planted_violation_is_caught(copy_root: Path, contract: str) -> None:
     broken = proc.stdout.split("Broken contracts", 1)[-1]
     assert name in broken, proc.stdout[-4000:]
     assert planted.split()[-1] in broken
+
+
+_BLOCKED_IMPORTS = """
+import importlib.abc, sys
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {"rich", "zarr", "numcodecs", "numpy", "torch", "psutil", "bcc"}:
+            raise ImportError(f"{name} is not in the webhook image")
+sys.meta_path.insert(0, _Block())
+from fsdp_replay.cli.main import build_parser
+for cmd in sys.argv[1:]:
+    build_parser().parse_args([cmd, "--help"])
+"""
+
+
+@pytest.mark.parametrize("cmd", ["webhook", "inject", "sidecar"])
+def test_the_parser_and_the_components_need_no_third_party_package(cmd: str) -> None:
+    # The webhook image holds the package on the standard library alone (docker/webhook.Dockerfile):
+    # building the parser must not import rich, zarr, numpy, torch or psutil.
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_IMPORTS, cmd], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"fsdp-replay {cmd}" in proc.stdout

@@ -100,6 +100,14 @@ class RecordConfig:
     """Payload bytes waiting for the writer beyond which new payloads are dropped (and counted)."""
     reserve_bytes: int = 16 << 20
     """Disk space held back per rank for metadata, released when payloads fill the disk."""
+    tape: bool = True
+    """Tape the ops whose CUDA kernels are nondeterministic (``agent/tape.py``): fingerprint what
+    each call computed, and store it with the step's payloads, so a replay can inject it."""
+    tape_payloads: StepSet | None = None
+    """Steps whose taped results are stored (default: as ``payloads``); ``none`` keeps their
+    fingerprints only, so a replay names the kernel where it differs instead of injecting."""
+    tape_ops: str = ""
+    """More ops to tape, on the CPU and CUDA keys: ``ns::op,ns2::other`` (a custom kernel's)."""
     cxx_kernel_lib: str = ""
     """The C++ kernel library (``agent/cxx/kernel.py``) that records the hot CPU collectives, or empty."""
     inject_fault: str = ""
@@ -125,6 +133,7 @@ class RecordConfig:
             env,
             parsers={
                 "payloads": _step_set,
+                "tape_payloads": _step_set,
                 "module_fingerprints": _step_set,
                 "snapshot_every": _non_negative,
                 "reserve_bytes": _non_negative,
@@ -144,7 +153,30 @@ class RecordConfig:
             ENV_PREFIX + "SYNC_STEPS": "1" if self.sync_steps else "0",
             ENV_PREFIX + "MAX_PENDING_BYTES": str(self.max_pending_bytes),
             ENV_PREFIX + "RESERVE_BYTES": str(self.reserve_bytes),
+            ENV_PREFIX + "TAPE": "1" if self.tape else "0",
+            ENV_PREFIX + "TAPE_OPS": self.tape_ops,
+            **(
+                {ENV_PREFIX + "TAPE_PAYLOADS": str(self.tape_payloads)}
+                if self.tape_payloads is not None
+                else {}
+            ),
         }
         if self.cxx_kernel_lib:
             env[ENV_PREFIX + "CXX_KERNEL_LIB"] = self.cxx_kernel_lib
         return env
+
+
+class Fault:
+    """``WHERE:N`` from FSDP_REPLAY_INJECT_FAULT: raise inside the agent at the N-th WHERE."""
+
+    def __init__(self, spec: str) -> None:
+        where, _, n = spec.partition(":")
+        self.where = where
+        self.n = int(n or 1)
+        self.count = 0
+
+    def check(self, where: str) -> None:
+        if where == self.where:
+            self.count += 1
+            if self.count == self.n:
+                raise RuntimeError(f"fault injected by FSDP_REPLAY_INJECT_FAULT at {where} #{self.n}")

@@ -24,6 +24,7 @@ from torch.utils.data import dataloader
 
 from fsdp_replay.agent.collectives import CollectiveInterceptor, Handler
 from fsdp_replay.agent.cxx.kernel import DRAIN_AT
+from fsdp_replay.agent.tape import agent_work
 
 
 class Guarded:
@@ -44,7 +45,8 @@ class Guarded:
                 return None
             t0, p0 = time.thread_time_ns(), owner.program_ns
             try:
-                return fn(*args, **kwargs)
+                with agent_work():  # the ops our hooks run are ours, not the program's (tape.py)
+                    return fn(*args, **kwargs)
             except Exception as e:
                 owner.fail(where, e)
                 return None

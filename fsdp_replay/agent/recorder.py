@@ -31,13 +31,15 @@ import torch.distributed as dist
 
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.batches import BatchRecorder
-from fsdp_replay.agent.config import RecordConfig
+from fsdp_replay.agent.config import Fault, RecordConfig
 from fsdp_replay.agent.counters import AgentState, counters
 from fsdp_replay.agent.cxx.bridge import KernelBridge
 from fsdp_replay.agent.fingerprint import fingerprint_many, host_values, native
 from fsdp_replay.agent.process_groups import ProcessGroups
 from fsdp_replay.agent.record_collective import CollectiveRecorder
+from fsdp_replay.agent.record_tape import TapeRecorder
 from fsdp_replay.agent.snapshots import StateRecorder
+from fsdp_replay.agent.tape import OpTape, start_tape
 from fsdp_replay.agent.tensor_record import TensorRecorder
 from fsdp_replay.agent.writer import BackgroundWriter
 from fsdp_replay.trace import schema
@@ -52,22 +54,6 @@ def _uncaught_exception() -> str | None:
     stores it in ``sys.last_exc``/``sys.last_value`` before printing it and running atexit."""
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     return None if exc is None else repr(exc)[:500]
-
-
-class Fault:
-    """``WHERE:N`` from FSDP_REPLAY_INJECT_FAULT: raise inside the agent at the N-th WHERE."""
-
-    def __init__(self, spec: str) -> None:
-        where, _, n = spec.partition(":")
-        self.where = where
-        self.n = int(n or 1)
-        self.count = 0
-
-    def check(self, where: str) -> None:
-        if where == self.where:
-            self.count += 1
-            if self.count == self.n:
-                raise RuntimeError(f"fault injected by FSDP_REPLAY_INJECT_FAULT at {where} #{self.n}")
 
 
 class Recorder:
@@ -90,6 +76,9 @@ class Recorder:
         self.bridge = KernelBridge(config, st, self.pgs, self._ensure_started, self.fail, fault_at)
         self.batch_recorder = BatchRecorder(st, self.tensors, self._ensure_started)
         self.states = StateRecorder(config, st, self.tensors)
+        self.tape_recorder = TapeRecorder(config, st, self.tensors, self._ensure_started, self.fail)
+        self.tape: OpTape | None = None
+        self.tape_error = ""
         self.losses: list[Any] = []
         self.primary: weakref.ref[torch.optim.Optimizer] | None = None
         self.roots: list[weakref.ref[torch.nn.Module]] = []
@@ -139,6 +128,15 @@ class Recorder:
             self.collectives.drain_kernel = self.bridge.drain
         return detach
 
+    def install_tape(self) -> OpTape | None:
+        """Intercept the taped ops (``tape.py``) where the config asks for it."""
+        if not self.config.tape:
+            return None
+        self.tape, self.tape_error = start_tape(self.tape_recorder, self.config.tape_ops, self.fail)
+        if self.tape_error:  # this torch cannot take the kernels: record without the tape, say so
+            log.warning("fsdp-replay: %s; nondeterministic kernels are not taped", self.tape_error)
+        return self.tape
+
     def drain_kernel(self, force: bool = False) -> None:
         self.bridge.drain(force)
 
@@ -146,6 +144,8 @@ class Recorder:
         self.collectives.complete_deferred(force)
 
     def run(self, call: Any, real: Callable[[], Any]) -> Any:
+        if self.tape is not None and self.tape.pending:
+            self.tape.install_missing()
         return self.collectives.run(call, real)
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -217,6 +217,12 @@ class Recorder:
                     "payload_inputs": self.config.payload_inputs,
                     "snapshot_every": self.config.snapshot_every,
                     "sync_steps": self.config.sync_steps,
+                    "tape": self.tape is not None,
+                    **({"tape_error": self.tape_error} if self.tape_error else {}),
+                    "tape_ops": self.config.tape_ops,
+                    "tape_payloads": None
+                    if self.config.tape_payloads is None
+                    else str(self.config.tape_payloads),
                 },
                 "start_ns": time.time_ns(),
                 "t0_wall_ns": time.time_ns() - st.t_ns(),
@@ -383,6 +389,8 @@ class Recorder:
         self.state.pos.micro += 1
 
     def on_batch(self, iterator: Any, batch: Any) -> None:
+        if self.tape is not None and self.tape.pending:
+            self.tape.install_missing()
         self._check_fault("batch")
         self.batch_recorder.on_batch(iterator, batch)
 

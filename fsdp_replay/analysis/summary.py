@@ -63,6 +63,7 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
             "steps": _ranges(payload_steps),
         },
         "payload_bytes": int(r.payloads["nbytes"].sum()) if len(r.payloads) else 0,
+        "tape": tape_summary(r),
         "batches": len(r.batches),
         "snapshots": [sn["step"] for sn in r.attrs.get("snapshots", [])],
         "nonfinite_steps": s["step"][s["nonfinite"]].tolist() if len(s) else [],
@@ -86,6 +87,21 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
             "env": meta.get("env"),
             "fingerprint_algos": meta.get("fingerprint_algos"),
         },
+    }
+
+
+def tape_summary(r: RankTrace) -> dict[str, Any]:
+    """The nondeterministic-kernel tape: calls by op, and how many results' bytes are stored."""
+    if not r.has_table("tape"):
+        return {"calls": 0, "by_op": {}, "outputs": 0, "with_payload": 0}
+    k, kt = r.table("tape"), r.table("tape_tensors")
+    ops = r.names("op")
+    by_op = Counter(ops[code] for code in k["op"].tolist())
+    return {
+        "calls": len(k),
+        "by_op": dict(sorted(by_op.items())),
+        "outputs": len(kt),
+        "with_payload": int((kt["payload"] >= 0).sum()) if len(kt) else 0,
     }
 
 

@@ -140,6 +140,7 @@ def attach(config: Any) -> Any:
             agent: Any = Recorder(config)
             hooks = Hooks(agent)
             hooks.install()
+            agent.install_tape()
             agent.install_sigterm()
             atexit.register(agent.finish)
             _state.update(agent=agent, hooks=hooks)

@@ -8,15 +8,20 @@ unusable input (the reader's errors propagate to ``fsdp_replay.cli.main``).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdp_replay.cli.render import console, dump_json, escape
 from fsdp_replay.errors import ExitCode
 from fsdp_replay.options import env_option
-from fsdp_replay.trace.reader import Trace, resolve_trace
+from fsdp_replay.trace.layout import resolve_trace
+
+if TYPE_CHECKING:
+    from fsdp_replay.trace.reader import Trace
 
 
 def _open(path: str) -> Trace:
+    from fsdp_replay.trace.reader import Trace  # zarr and numpy: only once a trace is opened
+
     return Trace.open(resolve_trace(path))
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from fsdp_replay.errors import ExitCode
 from fsdp_replay.options import env_option
-from fsdp_replay.trace.reader import resolve_trace
+from fsdp_replay.trace.layout import resolve_trace
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

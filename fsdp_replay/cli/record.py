@@ -64,6 +64,9 @@ def cmd_record(args: argparse.Namespace) -> int:
         snapshot_every=args.snapshot_every,
         sync_steps=args.sync_steps,
         reserve_bytes=args.reserve_bytes,
+        tape=args.tape,
+        tape_ops=args.tape_ops,
+        tape_payloads=StepSet.parse(args.tape_payloads) if args.tape_payloads else None,
         cxx_kernel_lib=_cxx_kernel() if _wants_cxx_kernel(args) else "",
     )
     out.mkdir(parents=True, exist_ok=True)
@@ -198,6 +201,26 @@ def register(sub: Any) -> None:
         kind="bool",
         help="record the hot CPU collectives with the C++ kernel, built against the installed torch on "
         "first use (needs gcc and g++); default: on with --payloads none, whose runs it can record",
+    )
+    env_option(
+        r,
+        "--tape",
+        kind="bool",
+        default=defaults.tape,
+        help="fingerprint (and with the payloads, keep) what the ops with nondeterministic CUDA kernels computed, "
+        "so a replay can inject it (--no-tape: off)",
+    )
+    env_option(
+        r,
+        "--tape-ops",
+        default=defaults.tape_ops,
+        help="more ops to tape, on CPU and CUDA: ns::op,ns2::other (your own kernels registered with torch.library)",
+    )
+    env_option(
+        r,
+        "--tape-payloads",
+        help="steps whose taped results are stored: none, all, steps:SPEC (default: as --payloads; none keeps "
+        "fingerprints only, and a replay then names the kernel where it differs)",
     )
     env_option(r, "--no-collect", kind="flag", help="leave the spools; build the trace later with `collect`")
     env_option(

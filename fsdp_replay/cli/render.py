@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:  # rich is imported where a table is drawn: the images' parser has no rich
+    from rich.console import Console
 
 
 def _mb(n: int) -> str:
@@ -16,7 +16,9 @@ def _mb(n: int) -> str:
 
 
 def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Console | None = None) -> None:
-    con = console or Console()
+    from rich.table import Table
+
+    con = console or _console()
     run = summary.get("run") or {}
     con.print(f"[bold]trace[/bold] {summary['trace']}  (format v{summary['format_version']})")
     con.print(
@@ -74,6 +76,20 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
                 _mb(r["output_bytes_by_op"].get(row["op"], 0)),
             )
     con.print(ops)
+    taped = [r for r in summary["per_rank"] if (r.get("tape") or {}).get("calls")]
+    if taped:
+        tape = Table(title="nondeterministic-kernel tape (per rank): calls, results stored")
+        for col in ("rank", "op", "calls"):
+            tape.add_column(col)
+        for r in taped:
+            for op, k in r["tape"]["by_op"].items():
+                tape.add_row(str(r["rank"]), op, str(k))
+            tape.add_row(
+                str(r["rank"]),
+                "[dim]results stored[/dim]",
+                f"{r['tape']['with_payload']}/{r['tape']['outputs']}",
+            )
+        con.print(tape)
 
     for r in summary["per_rank"]:
         for d in r["damage"]:
@@ -147,7 +163,13 @@ def dump_json(obj: Any) -> None:
 
 
 def console() -> Console:
-    return Console(highlight=False)
+    return _console(highlight=False)
+
+
+def _console(**kwargs: Any) -> Console:
+    from rich.console import Console
+
+    return Console(**kwargs)
 
 
 def escape(x: Any) -> str:

@@ -11,8 +11,14 @@ from typing import Any
 
 from fsdp_replay.errors import ConfigError, ExitCode
 from fsdp_replay.options import env_option
-from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPLAY_PNG, REPORT_JSON, REPORT_TXT, atomic_write
-from fsdp_replay.trace.reader import resolve_trace
+from fsdp_replay.trace.layout import (
+    RANK_REPORT_FMT,
+    REPLAY_PNG,
+    REPORT_JSON,
+    REPORT_TXT,
+    atomic_write,
+    resolve_trace,
+)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -14,9 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import math
 import os
-import struct
 import sys
 import time
 import traceback
@@ -28,6 +26,7 @@ import torch
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import CollectiveCall, wait_result
 from fsdp_replay.agent.hooks import Hooks
+from fsdp_replay.agent.tape import OpTape
 from fsdp_replay.errors import ExitCode, FsdpReplayError, TraceIncompleteError
 from fsdp_replay.replayer import feed, restore, verify
 from fsdp_replay.replayer.config import ReplayConfig
@@ -35,19 +34,12 @@ from fsdp_replay.replayer.expected import RankRecord
 from fsdp_replay.replayer.fake_pg import redirect_to_fake_pg
 from fsdp_replay.replayer.fsdp_frames import feeding_modules
 from fsdp_replay.replayer.report import Divergence, build_report
+from fsdp_replay.replayer.tape import ReplayTape, attach_tape
 from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
 from fsdp_replay.trace.reader import Trace
 
 log = logging.getLogger(__name__)
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT = ExitCode.OK, ExitCode.FOUND, ExitCode.UNUSABLE
-
-
-def _same_float(a: float, b: float) -> bool:
-    """Bitwise equality, except that any NaN equals any NaN: a loss's NaN payload bits do not
-    survive the JSON of the spool (parameters and collectives are compared bit for bit)."""
-    if math.isnan(a) and math.isnan(b):
-        return True
-    return struct.pack("<d", a) == struct.pack("<d", b)
 
 
 class Replayer:
@@ -66,7 +58,6 @@ class Replayer:
         self.world = self.rec.world_size
         self.from_step = config.from_step
         self.to_step = config.to_step
-        # Verdicts are made only over steps whose records are all in the trace.
         # Verdicts are made only over what the record holds (trace/completeness.py). A record
         # that lost something stops the replay after its last whole step (``record_ends``); one
         # that only ends early (a kill) is replayed until the program needs a record past its end.
@@ -114,6 +105,8 @@ class Replayer:
         self.finished = False
         self.failed = False
         self.hooks: Hooks | None = None
+        self.tape: ReplayTape | None = None
+        self.op_tape: OpTape | None = None
         self.on_step_zero_done: Any = None  # set by Hooks: drops the module hooks after step 0
         self._threads_checked = False
         self.module_idx = 0
@@ -161,7 +154,7 @@ class Replayer:
         f = verify.module_finding(self.rec.modules[self.step], idx, name, kind, fp, base)
         if f is not None:
             self.module_diverged = True
-            self._found(f)
+            self.found(f)
 
     # -- start -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -182,6 +175,8 @@ class Replayer:
 
     # -- collectives -----------------------------------------------------------------------
     def run(self, call: CollectiveCall, real: Any) -> Any:
+        if self.op_tape is not None and self.op_tape.pending:
+            self.op_tape.install_missing()
         try:
             return self._run(call, real)
         except Exception as e:  # a replay that cannot answer a collective cannot go on
@@ -197,7 +192,7 @@ class Replayer:
         if verify_now and not self._threads_checked:
             self._check_threads()
         if exp is None and self.truncated:
-            self._record_ended(f"before collective #{seq} ({call.op})")
+            self.record_ended(f"before collective #{seq} ({call.op})")
         if exp is None:
             result = real()
             if verify_now:
@@ -217,23 +212,23 @@ class Replayer:
             return result
         base = self._base(seq, call.op, exp.pg)
         if verify_now:
-            self._found(
+            self.found(
                 verify.check_call(self.rec, call, exp, base, call.inputs, exp.role("i"), "input", self.notes)
             )
         result = real()
         call.set_outputs(result)  # functional collectives: the outputs exist only now
         wait_result(result, call)
         if verify_now:
-            self._found(
+            self.found(
                 verify.check_call(
                     self.rec, call, exp, base, call.outputs, exp.role("o"), "output", self.notes
                 )
             )
         if self.live:
             if verify_now:
-                self._found(verify.check_live_outputs(self.rec, call, exp, base))
+                self.found(verify.check_live_outputs(self.rec, call, exp, base))
         else:
-            self._found(verify.fill_outputs(self.rec, call, exp, verify_now, base, self.restore_step))
+            self.found(verify.fill_outputs(self.rec, call, exp, verify_now, base, self.restore_step))
         self.step_colls += 1
         if verify_now:
             self.verified_colls += 1
@@ -242,7 +237,7 @@ class Replayer:
     def _base(self, seq: int, op: str, pg: int) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step, "micro": self.micro, "seq": seq, "op": op, "pg": pg}
 
-    def _found(self, f: verify.Finding | None) -> None:
+    def found(self, f: verify.Finding | None) -> None:
         if f is not None:
             self.diverge(f.divergence, stop=f.stop, feeding=f.feeding, unusable=f.unusable)
 
@@ -275,9 +270,9 @@ class Replayer:
         if self.to_step >= 0 and done >= self.to_step:
             self.finish("end", EXIT_OK, reason=f"stopped after step {done} (--to-step)")
         if self.record_ends is not None and done >= self.record_ends:
-            self._record_ended(f"after step {self.record_ends}")
+            self.record_ended(f"after step {self.record_ends}")
 
-    def _record_ended(self, where: str) -> None:
+    def record_ended(self, where: str) -> None:
         """The replay needs what the record does not hold: stop, with what was verified."""
         self.notes.append(
             f"the record of rank {self.rank} ends {where} ({'; '.join(self.complete['reasons'])}); "
@@ -288,7 +283,7 @@ class Replayer:
     def _check_step(self, opt: torch.optim.Optimizer, exp: Any) -> None:
         base: dict[str, Any] = {"rank": self.rank, "step": self.step, "micro": self.micro}
         if exp is None and self.truncated:
-            self._record_ended(f"before the end of step {self.step}")
+            self.record_ended(f"before the end of step {self.step}")
         if exp is None:
             self.diverge(
                 Divergence(
@@ -302,7 +297,7 @@ class Replayer:
             return
         names = self._param_names(capture.optimizer_params(opt))
         for f in verify.check_parameters(self.rec, opt, exp, base, names):
-            self._found(f)
+            self.found(f)
         self.verified_steps.append(self.step)
 
     def _param_names(self, params: list[torch.Tensor]) -> list[str]:
@@ -338,7 +333,7 @@ class Replayer:
         if exp is None or self.micro >= len(exp.losses):
             return
         value = float(tensors.detach().double().item())
-        if not _same_float(value, exp.losses[self.micro]):
+        if not verify.same_float(value, exp.losses[self.micro]):
             self.diverge(
                 Divergence(
                     kind="loss",
@@ -353,6 +348,8 @@ class Replayer:
         self.micro += 1
 
     def on_batch(self, iterator: Any, batch: Any) -> Any:
+        if self.op_tape is not None and self.op_tape.pending:
+            self.op_tape.install_missing()
         n = self.batches
         self.batches += 1
         if n >= len(self.rec.batches):
@@ -362,7 +359,7 @@ class Replayer:
         if fed.differs:
             self.data_differences += 1
         if fed.finding is not None and self.verifying():
-            self._found(fed.finding)
+            self.found(fed.finding)
         return fed.batch
 
     # -- divergence and the end ------------------------------------------------------------
@@ -443,6 +440,7 @@ def attach_replay(config: ReplayConfig) -> Replayer:
     hooks = Hooks(replayer)
     hooks.install()
     replayer.hooks = hooks
+    attach_tape(replayer)
     replayer.start()
     atexit.register(replayer.finish, "exit", EXIT_OK)
     return replayer

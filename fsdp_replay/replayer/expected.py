@@ -49,6 +49,17 @@ class ExpectedColl:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpectedTapeCall:
+    """One recorded call of an op on the nondeterministic-kernel tape."""
+
+    seq: int
+    step: int
+    micro: int
+    op: str
+    tensors: tuple[ExpectedTensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ExpectedStep:
     step: int
     micro_steps: int
@@ -166,7 +177,7 @@ class RankRecord:
                 }
             )
         self.modules: dict[int, list[tuple[int, str, str, int, str]]] = collections.defaultdict(list)
-        try:
+        if rt.has_table("module_fps"):  # not in a trace written before module fingerprints existed
             mt = rt.table("module_fps")
             mod_names = rt.names("module")
             for i in np.argsort(mt["idx"], kind="stable").tolist() if len(mt) else []:
@@ -179,13 +190,46 @@ class RankRecord:
                         names["algo"][int(mt["algo"][i])],
                     )
                 )
-        except TraceFormatError:
-            pass  # a trace written before module fingerprints existed
+        self.tape = self._tape(rt, names, dims)
         self._cache: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self._cache_bytes = 0
         self._lock = threading.Lock()
         self._progress = threading.Condition()
         self._consumer = 0
+
+    @staticmethod
+    def _tape(rt: RankTrace, names: dict[str, list[str]], dims: Any) -> dict[int, ExpectedTapeCall]:
+        """The tape's calls by number (none for traces written before it existed)."""
+        if not rt.has_table("tape"):
+            return {}
+        k, kt = rt.table("tape"), rt.table("tape_tensors")
+        if not len(k):
+            return {}
+        cols = {c: kt[c] for c in ("dtype", "shape_start", "ndim", "fp", "algo", "nonfinite", "payload")}
+        out: dict[int, ExpectedTapeCall] = {}
+        for i, seq in enumerate(k["seq"].tolist()):
+            start, count = int(k["tensor_start"][i]), int(k["tensor_count"][i])
+            tensors = tuple(
+                ExpectedTensor(
+                    "o",
+                    names["dtype"][int(cols["dtype"][j])],
+                    tuple(
+                        int(d)
+                        for d in dims[
+                            int(cols["shape_start"][j]) : int(cols["shape_start"][j]) + int(cols["ndim"][j])
+                        ]
+                    ),
+                    int(cols["fp"][j]),
+                    names["algo"][int(cols["algo"][j])],
+                    bool(cols["nonfinite"][j]),
+                    int(cols["payload"][j]),
+                )
+                for j in range(start, start + count)
+            )
+            out[int(seq)] = ExpectedTapeCall(
+                int(seq), int(k["step"][i]), int(k["micro"][i]), names["op"][int(k["op"][i])], tensors
+            )
+        return out
 
     @property
     def world_size(self) -> int:

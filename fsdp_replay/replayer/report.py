@@ -24,6 +24,9 @@ KIND_TEXT = {
     "payload_missing": "a payload the replay needs is not in the trace",
     "batch": "a batch differs and its recorded bytes are not stored",
     "module": "a module's output differs",
+    "nondeterministic_kernel": "a known nondeterministic kernel computed another result",
+    "tape_op": "a different op of the nondeterministic-kernel tape ran",
+    "extra_tape_call": "the replay called taped ops more often than the record",
 }
 
 
@@ -69,15 +72,23 @@ def render_text(report: dict[str, Any]) -> str:
     rank = report.get("rank")
     steps = report.get("verified_steps") or []
     span = f"{steps[0]}..{steps[-1]}" if steps else "none"
+    injected = report.get("injected") or {}
+    with_tape = (
+        f", with {sum(injected.values())} results of nondeterministic kernels injected ("
+        + ", ".join(f"{op}: {n}" for op, n in sorted(injected.items()))
+        + ")"
+        if injected
+        else ""
+    )
     if status == "bit-exact" and not steps:
         lines.append(
             f"rank {rank}: BIT-EXACT over {report['collectives_verified']} collectives (no step of the "
-            "record is complete)"
+            f"record is complete){with_tape}"
         )
     elif status == "bit-exact":
         lines.append(
             f"rank {rank}: BIT-EXACT over steps {span} ({report['collectives_verified']} collectives, "
-            f"{len(steps)} steps)"
+            f"{len(steps)} steps){with_tape}"
         )
     elif status == "diverged":
         lines.append(f"rank {rank}: DIVERGED")
@@ -116,7 +127,7 @@ def render_text(report: dict[str, Any]) -> str:
                 f"  earliest module that differs: {module['tensor']} at step {module['step']} micro-step "
                 f"{module['micro']}"
             )
-        elif d.get("kind") not in ("payload_missing", "ended_early"):
+        elif d.get("kind") not in ("payload_missing", "ended_early", "nondeterministic_kernel"):
             lines.append(
                 f"  to name the module where it starts: record again with --module-fingerprints "
                 f"steps:{d['step']}"
@@ -128,10 +139,20 @@ def render_text(report: dict[str, Any]) -> str:
                 f"  first collective affected: #{x['seq']} {x['op']} at step {x['step']} ({x['what']})"
             )
     det = report.get("determinism") or {}
-    if det and report.get("recorded_on_cuda") and not det.get("use_deterministic_algorithms"):
+    if (
+        status != "bit-exact"
+        and det
+        and report.get("recorded_on_cuda")
+        and not det.get("use_deterministic_algorithms")
+    ):
         lines.append(
-            "  note: the recorded run did not enable torch.use_deterministic_algorithms: on CUDA some "
-            "kernels (atomics) are not bit-reproducible, so a divergence inside compute may come from them"
+            "  note: the recorded run did not enable torch.use_deterministic_algorithms: the taped ops' "
+            "results were injected, so a divergence inside compute may come from a nondeterministic kernel "
+            "outside the tape (--tape-ops adds one)"
+            if report.get("taped")
+            else "  note: the recorded run did not enable torch.use_deterministic_algorithms and was recorded "
+            "with --no-tape: on CUDA some kernels (atomics) are not bit-reproducible, so a divergence inside "
+            "compute may come from them"
         )
     for n in report.get("notes", []):
         lines.append(f"  note: {n}")
@@ -178,6 +199,10 @@ def build_report(r: Any, status: str, reason: str) -> dict[str, Any]:
         "first_divergence": r.divergences[0].as_dict() if r.divergences else None,
         "divergences": [d.as_dict() for d in r.divergences[:20]],
         "data_differences": r.data_differences,
+        "injected": dict(r.tape.injected) if r.tape is not None else {},
+        "tape_calls": r.tape.seq if r.tape is not None else 0,
+        "tape_matched": r.tape.matched if r.tape is not None else 0,
+        "taped": r.tape is not None,
         "notes": r.notes,
         "determinism": r.rec.meta.get("determinism"),
         "recorded_on_cuda": "cuda" in r.rec.attrs.get("device_names", []),

@@ -7,6 +7,8 @@ cannot answer, which is not a divergence).
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,14 @@ from fsdp_replay.errors import ConfigError
 from fsdp_replay.replayer.expected import ExpectedColl, ExpectedTensor, RankRecord
 from fsdp_replay.replayer.report import Divergence, magnitude
 from fsdp_replay.trace.ops import ALL_GATHER_OPS
+
+
+def same_float(a: float, b: float) -> bool:
+    """Bitwise equality, except that any NaN equals any NaN: a loss's NaN payload bits do not
+    survive the JSON of the spool (parameters and collectives are compared bit for bit)."""
+    if math.isnan(a) and math.isnan(b):
+        return True
+    return struct.pack("<d", a) == struct.pack("<d", b)
 
 
 @dataclass(slots=True)
@@ -163,24 +173,35 @@ def fill_outputs(
     return None
 
 
-def missing_payload_hint(rec: RankRecord, step: int, restore_step: int) -> str:
+def stored_by_policy(rec: RankRecord, step: int, tape: bool = False) -> tuple[bool, str]:
+    """Whether the recording was asked to keep the payloads of ``step`` (of the collectives, or
+    of the nondeterministic-kernel tape), and that policy as the recording wrote it."""
+    policy_of = rec.meta.get("policy") or {}
+    policy = str(policy_of.get("payloads", "all"))
+    if tape and policy_of.get("tape_payloads") is not None:
+        policy = str(policy_of["tape_payloads"])
+    try:
+        return step in StepSet.parse(policy), policy
+    except ConfigError:
+        return True, policy
+
+
+def missing_payload_hint(rec: RankRecord, step: int, restore_step: int, tape: bool = False) -> str:
     """Why the trace has no payload for ``step``, from what the recording was asked to keep and
     what it reported dropping; and what to do about it."""
-    policy = str((rec.meta.get("policy") or {}).get("payloads", "all"))
+    wanted, policy = stored_by_policy(rec, step, tape)
     counters = (rec.attrs.get("end") or {}).get("counters") or {}
     dropped = int(counters.get("blobs_dropped", 0))
     damaged = int(rec.attrs.get("payload_missing", 0))
-    try:
-        wanted = step in StepSet.parse(policy)
-    except ConfigError:
-        wanted = True
-    head = f"the trace holds no payload for a collective of step {step}"
+    what = "a taped kernel's result" if tape else "a collective"
+    flag = "--tape-payloads" if tape else "--payloads"
+    head = f"the trace holds no payload for {what} of step {step}"
     if wanted and dropped:
         return (
             f"{head}: the recording kept payloads for {policy} but dropped {dropped} of them "
             f"({int(counters.get('blob_bytes_dropped', 0)) / 1e6:.1f} MB; the disk was full or the "
-            "in-memory bound was reached). Replay steps whose payloads were kept, or record again "
-            "with more free space"
+            "in-memory bound (--max-pending-bytes) was reached). Replay steps whose payloads were kept, "
+            "or record again with more free space, a higher bound or fewer payload steps"
         )
     if wanted and damaged:
         return f"{head}: {damaged} stored payloads were lost to spool damage (see `fsdp-replay inspect`)"
@@ -188,7 +209,7 @@ def missing_payload_hint(rec: RankRecord, step: int, restore_step: int) -> str:
         return f"{head}, although the recording kept payloads for {policy}"
     return (
         f"{head}: the recording kept payloads for {policy}; an isolated replay of steps "
-        f"{restore_step}.. needs the payloads of those steps (record with --payloads all or "
+        f"{restore_step}.. needs the payloads of those steps (record with {flag} all or "
         f"steps:{restore_step}-...)"
     )
 

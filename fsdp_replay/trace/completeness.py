@@ -80,10 +80,12 @@ def assess(
     module_fps: Sequence[tuple[int, int]],
     end: Mapping[str, Any] | None,
     attempts: int,
+    tape: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
     """The rank's completeness, from the tracker and the gaps in what was collected.
 
-    ``batches`` are (loader, index, step) and ``module_fps`` (step, idx) in any order.
+    ``batches`` are (loader, index, step), ``module_fps`` (step, idx) and ``tape`` (seq, step) in
+    any order.
     """
     n_steps = len(steps)
     if end is None:
@@ -104,6 +106,10 @@ def assess(
             tracker.cut(n_steps - 1, f"the process made {end['steps']} steps; {n_steps} were recorded")
         _collective_gaps(tracker, steps, step_colls, coll_seqs, coll_steps)
         _batch_gaps(tracker, batches)
+        gap = _first_gap([seq for seq, _ in tape])
+        if gap is not None:  # a call of the nondeterministic-kernel tape is missing
+            before = max((st for sq, st in tape if sq < gap), default=0)
+            tracker.cut(before - 1, f"call #{gap} of the nondeterministic-kernel tape is missing")
         by_step: dict[int, list[int]] = {}
         for step, idx in module_fps:
             by_step.setdefault(step, []).append(idx)

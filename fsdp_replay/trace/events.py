@@ -24,6 +24,7 @@ EV_AGENT_ERROR: Final = "agent_error"
 EV_DROP: Final = "drop"
 EV_STUCK: Final = "stuck"
 EV_ALIVE: Final = "alive"
+EV_KERNEL_OP: Final = "kop"
 EV_END: Final = "end"
 
 
@@ -190,6 +191,17 @@ class Stuck(TypedDict):
     waited_ns: int
 
 
+class KernelOp(TypedDict):
+    """One call of an op on the nondeterministic-kernel tape (``agent/tape.py``)."""
+
+    type: str
+    seq: int
+    step: int
+    micro: int
+    op: str
+    tensors: list[Tensor]
+
+
 class Alive(TypedDict):
     type: str
     seq: int
@@ -225,6 +237,7 @@ EVENT_TYPES: Final[dict[str, Any]] = {
     EV_DROP: Drop,
     EV_STUCK: Stuck,
     EV_ALIVE: Alive,
+    EV_KERNEL_OP: KernelOp,
     EV_END: End,
 }
 EVENT_KEYS: Final[dict[str, frozenset[str]]] = {

@@ -13,6 +13,9 @@ import os
 from pathlib import Path
 from typing import Final
 
+from fsdp_replay.errors import TraceFormatError
+from fsdp_replay.trace.schema import TRACE_DIR
+
 RUN_JSON: Final = "run.json"
 REPORT_JSON: Final = "report.json"
 REPORT_TXT: Final = "report.txt"
@@ -40,3 +43,13 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def resolve_trace(path: str) -> str:
+    """A run folder (holding ``trace.zarr``) or the trace itself: the trace's location."""
+    inner = os.path.join(path, TRACE_DIR)
+    if "://" not in path and os.path.isdir(inner):
+        return inner
+    if "://" not in path and os.path.exists(inner):
+        raise TraceFormatError("not a trace: a file where the trace folder should be", path=inner)
+    return path

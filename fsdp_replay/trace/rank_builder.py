@@ -258,6 +258,26 @@ class RankBuilder:
             b[k].append(v)
         self.report.batches += 1
 
+    def _ev_kop(self, ev: dict[str, Any]) -> None:
+        k = self.cols["tape"]
+        row = len(k["seq"])
+        tstart = len(self.cols["tape_tensors"]["call"])
+        for t in ev["tensors"]:
+            cols = self._tensor_cols(t)
+            cols["call"] = row
+            for col, v in cols.items():
+                self.cols["tape_tensors"][col].append(v)
+        values = {
+            "seq": ev["seq"],
+            "step": ev["step"],
+            "micro": ev["micro"],
+            "op": self.names["op"].code(ev["op"]),
+            "tensor_start": tstart,
+            "tensor_count": len(ev["tensors"]),
+        }
+        for col, v in values.items():
+            k[col].append(v)
+
     def _ev_step(self, ev: dict[str, Any]) -> None:
         self.tracker.step_done(int(ev["step"]))
         s = self.cols["steps"]
@@ -357,7 +377,12 @@ class RankBuilder:
 
     def assess(self) -> dict[str, Any]:
         """How far this rank's record is complete (see completeness.py)."""
-        c, b, m = self.cols["collectives"], self.cols["batches"], self.cols["module_fps"]
+        c, b, m, k = (
+            self.cols["collectives"],
+            self.cols["batches"],
+            self.cols["module_fps"],
+            self.cols["tape"],
+        )
         return completeness.assess(
             self.tracker,
             steps=self.cols["steps"]["step"],
@@ -366,6 +391,7 @@ class RankBuilder:
             coll_steps=c["step"],
             batches=list(zip(b["loader"], b["index"], b["step"], strict=True)),
             module_fps=list(zip(m["step"], m["idx"], strict=True)),
+            tape=list(zip(k["seq"], k["step"], strict=True)),
             end=self.attrs["end"],
             attempts=int(self.attrs["attempts"]),
         )

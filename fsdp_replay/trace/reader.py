@@ -140,6 +140,18 @@ class RankTrace:
     def names(self, kind: str) -> list[str]:
         return list(self.attrs.get(f"{kind}_names", []))
 
+    def has_table(self, name: str) -> bool:
+        """Whether this rank has table ``name`` (a trace written before the table existed has not).
+        A table that the rank's array list names is there: if its group is gone, ``table`` says so."""
+        listed = self.attrs.get(schema.ARRAYS_ATTR)
+        if isinstance(listed, dict) and any(k.startswith(f"{name}/") for k in listed):
+            return True
+        try:
+            _node(self.group, name, self.where)
+        except KeyError:
+            return False
+        return True
+
     def table(self, name: str) -> Table:
         """One table (cached: its columns are read once)."""
         cached = self._tables.get(name)
@@ -295,13 +307,3 @@ class Trace:
         if not isinstance(g, zarr.Group):
             raise TraceFormatError(f"rank {rank} is not a group", path=f"{self.url}/{name}")
         return RankTrace(self, rank, g)
-
-
-def resolve_trace(path: str) -> str:
-    """A run folder (holding ``trace.zarr``) or the trace itself: the trace's location."""
-    inner = os.path.join(path, schema.TRACE_DIR)
-    if "://" not in path and os.path.isdir(inner):
-        return inner
-    if "://" not in path and os.path.exists(inner):
-        raise TraceFormatError("not a trace: a file where the trace folder should be", path=inner)
-    return path

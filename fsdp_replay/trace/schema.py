@@ -37,6 +37,9 @@ from fsdp_replay.trace.events import (
     EV_END as EV_END,
 )
 from fsdp_replay.trace.events import (
+    EV_KERNEL_OP as EV_KERNEL_OP,
+)
+from fsdp_replay.trace.events import (
     EV_MODULE_FP as EV_MODULE_FP,
 )
 from fsdp_replay.trace.events import (
@@ -254,6 +257,27 @@ TABLES: dict[str, dict[str, str]] = {
     "shapes": {"dim": "int64"},
     "rng": {"step": "int64", "payload": "int64", "python": "int64", "torch": "int64", "numpy": "int64"},
     "payloads": {"digest_hi": "uint64", "digest_lo": "uint64", "nbytes": "int64"},
+    # the nondeterministic-kernel tape: one row per call, one tape_tensors row per output
+    "tape": {
+        "seq": "int64",
+        "step": "int64",
+        "micro": "int32",
+        "op": "int16",
+        "tensor_start": "int64",
+        "tensor_count": "int32",
+    },
+    "tape_tensors": {
+        "call": "int64",
+        "dtype": "int16",
+        "shape_start": "int64",
+        "ndim": "int16",
+        "nbytes": "int64",
+        "fp": "uint64",
+        "algo": "int16",
+        "nonfinite": "bool",
+        "payload": "int64",
+        "device": "int16",
+    },
     "module_fps": {
         "step": "int64",
         "micro": "int32",

@@ -354,7 +354,7 @@ def test_killing_record_stops_the_job_it_started(tmp_path: Path) -> None:
     ]
     assert len(training_ranks(psutil.Process(proc.pid))) == 2
     os.killpg(proc.pid, signal.SIGKILL)  # record and everything in its process group
-    proc.wait()
+    proc.communicate()  # drains and closes both pipes
     _gone, alive = psutil.wait_procs(job, timeout=60)
     assert not alive, [p.cmdline() for p in alive]
     # the spools are kept, and the trace can be built from them

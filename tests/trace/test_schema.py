@@ -69,6 +69,7 @@ def test_event_keys_pinned() -> None:
         "drop": {"type", "what", "count", "nbytes", "reason"},
         "stuck": {"type", "seq", "step", "op", "pg", "t_ns", "waited_ns"},
         "alive": {"type", "seq", "step", "t_ns"},
+        "kop": {"type", "seq", "step", "micro", "op", "tensors"},
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
     }
     assert {k: set(v) for k, v in schema.EVENT_KEYS.items()} == expected
@@ -178,6 +179,26 @@ def test_tables_pinned() -> None:
         "shapes": {"dim": "int64"},
         "rng": {"step": "int64", "payload": "int64", "python": "int64", "torch": "int64", "numpy": "int64"},
         "payloads": {"digest_hi": "uint64", "digest_lo": "uint64", "nbytes": "int64"},
+        "tape": {
+            "seq": "int64",
+            "step": "int64",
+            "micro": "int32",
+            "op": "int16",
+            "tensor_start": "int64",
+            "tensor_count": "int32",
+        },
+        "tape_tensors": {
+            "call": "int64",
+            "dtype": "int16",
+            "shape_start": "int64",
+            "ndim": "int16",
+            "nbytes": "int64",
+            "fp": "uint64",
+            "algo": "int16",
+            "nonfinite": "bool",
+            "payload": "int64",
+            "device": "int16",
+        },
         "module_fps": {
             "step": "int64",
             "micro": "int32",
