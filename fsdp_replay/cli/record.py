@@ -63,6 +63,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         module_fingerprints=StepSet.parse(args.module_fingerprints),
         snapshot_every=args.snapshot_every,
         sync_steps=args.sync_steps,
+        max_pending_bytes=args.max_pending_bytes,
         reserve_bytes=args.reserve_bytes,
         tape=args.tape,
         tape_ops=args.tape_ops,
@@ -172,6 +173,14 @@ def register(sub: Any) -> None:
         default=str(defaults.module_fingerprints),
         help="steps whose module outputs and gradients are fingerprinted, so a replay can name the module "
         "where a divergence starts: none, all, steps:SPEC",
+    )
+    env_option(
+        r,
+        "--max-pending-bytes",
+        kind="int",
+        default=defaults.max_pending_bytes,
+        help="payload bytes each rank lets wait for its writer; payloads beyond it are dropped and counted "
+        "(the tape's results on a large model can need several GiB a step)",
     )
     env_option(
         r,

@@ -206,7 +206,7 @@ def print_collect(report: Any) -> None:
         if r.payloads_dropped:
             print(
                 f"  rank {r.rank}: {r.payloads_dropped} payloads dropped while recording (disk full or memory "
-                "bound); every event was kept",
+                "bound: --max-pending-bytes); every event was kept",
                 file=sys.stderr,
             )
     print(f"fsdp-replay: trace written to {report.trace} in {report.seconds:.1f}s", file=sys.stderr)

@@ -398,3 +398,17 @@ def test_a_full_disk_drops_payloads_first_and_keeps_every_event(tmp_path: Path, 
         assert counters["events_dropped"] == 0
         assert len(rt.steps) == 6  # metadata of every step survived
         assert (rt.tensors["payload"] < 0).any() and (rt.tensors["payload"] >= 0).any()
+
+
+def test_the_pending_bytes_bound_reaches_the_agent_from_the_environment(tmp_path: Path) -> None:
+    # record builds the agent's environment from its options: a variable the user set must reach
+    # the agent, not be replaced by the option's default (a 1-byte bound stores no payload at all).
+    out = tmp_path / "run"
+    proc = run(
+        [*CLI, "record", "--out", str(out), "--", *torchrun_cmd(1, EXAMPLE, *SMALL)],
+        env=child_env(FSDP_REPLAY_MAX_PENDING_BYTES="1"),
+    )
+    assert "payloads dropped while recording" in proc.stderr, proc.stderr[-2000:]
+    rt = Trace.open(out / schema.TRACE_DIR).rank(0)
+    assert rt.attrs["end"]["counters"]["blobs_dropped"] > 0
+    assert (rt.tensors["payload"] < 0).all() and len(rt.steps) == 6
