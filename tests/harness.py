@@ -68,9 +68,11 @@ def record(
     record_args: Sequence[str] = (),
     name: str = "rec",
     check: bool = True,
+    script: Sequence[str] = (),
     **env: str,
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """Record the example; returns (run folder, process). Params go to RUN/params-<rank>.pt."""
+    """Record the example (or ``script``: a wrapper and its arguments, given the example's after
+    them); returns (run folder, process). Params go to RUN/params-<rank>.pt."""
     out = tmp / name
     proc = run(
         [
@@ -80,7 +82,9 @@ def record(
             str(out),
             *record_args,
             "--",
-            *torchrun_cmd(nproc, EXAMPLE, "--save-params", str(out / "params-{rank}.pt"), *args),
+            *torchrun_cmd(
+                nproc, *(script or (str(EXAMPLE),)), "--save-params", str(out / "params-{rank}.pt"), *args
+            ),
         ],
         env=child_env(**env),
         check=check,

@@ -31,7 +31,7 @@ from fsdp_replay.errors import ExitCode, FsdpReplayError, TraceIncompleteError
 from fsdp_replay.replayer import feed, restore, verify
 from fsdp_replay.replayer.config import ReplayConfig
 from fsdp_replay.replayer.expected import RankRecord
-from fsdp_replay.replayer.fake_pg import redirect_to_fake_pg
+from fsdp_replay.replayer.fake_pg import completed_work, redirect_to_fake_pg
 from fsdp_replay.replayer.fsdp_frames import feeding_modules
 from fsdp_replay.replayer.report import Divergence, build_report
 from fsdp_replay.replayer.tape import ReplayTape, attach_tape
@@ -53,6 +53,7 @@ class Replayer:
         # All-rank replay runs under torchrun: each process replays the rank torchrun gave it.
         self.rank = int(os.environ.get("RANK", config.rank)) if self.live else config.rank
         self.notes: list[str] = []
+        self.program_error: str | None = None  # an exception the program did not catch
         self.trace = Trace.open(config.trace)
         self.rec = RankRecord(self.trace, self.rank)
         self.world = self.rec.world_size
@@ -229,6 +230,7 @@ class Replayer:
                 self.found(verify.check_live_outputs(self.rec, call, exp, base))
         else:
             self.found(verify.fill_outputs(self.rec, call, exp, verify_now, base, self.restore_step))
+            result = completed_work(result)  # the fake backend's Work has no value; DDP reads it
         self.step_colls += 1
         if verify_now:
             self.verified_colls += 1
@@ -404,6 +406,13 @@ class Replayer:
         if status in ("exit", "end"):
             reason = reason or "the program ended"
             status, code = self._final_status(check_complete=at_exit)
+            if status == "error":
+                reason = (
+                    f"the replayed program raised {self.program_error} at step {self.step} after "
+                    f"{self.seq} collectives, while every check so far matched the record; the recorded "
+                    "rank went on. This is the replay's environment or a replay defect, not a finding "
+                    "about the recorded run (the traceback is in the program's output above)"
+                )
         out = Path(self.config.report)
         if self.live:
             out = out / RANK_REPORT_FMT.format(rank=self.rank)
@@ -418,6 +427,8 @@ class Replayer:
     def _final_status(self, check_complete: bool) -> tuple[str, int]:
         if self.divergences:
             return "diverged", EXIT_DIVERGED
+        if check_complete and self.program_error is not None:
+            return "error", EXIT_BAD_INPUT
         if check_complete and self.seq < len(self.rec.colls) and self.to_step < 0:
             self.divergences.append(
                 Divergence(
@@ -443,4 +454,13 @@ def attach_replay(config: ReplayConfig) -> Replayer:
     attach_tape(replayer)
     replayer.start()
     atexit.register(replayer.finish, "exit", EXIT_OK)
+    chained = sys.excepthook
+
+    def excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        where = traceback.extract_tb(tb)[-1] if tb is not None else None
+        at = f" ({where.filename}:{where.lineno})" if where is not None else ""
+        replayer.program_error = f"{kind.__name__}: {str(exc)[:300]}{at}"
+        chained(kind, exc, tb)
+
+    sys.excepthook = excepthook  # an exception the program did not catch: finish() says so
     return replayer

@@ -1,7 +1,10 @@
 """The replayed rank's process groups: torch's fake backend, so that it talks to nobody.
 
 ``init_process_group`` and ``new_group`` are redirected to the ``fake`` backend (rank R of N, no
-peers, no network); a program asking for another world size or rank is refused.
+peers, no network); a program asking for another world size or rank is refused. The fake
+backend's Work completes with no value; ``completed_work`` gives the program one whose future
+holds the op's outputs (the recorded bytes by then), as a real backend's does: DDP's reducer and
+``work.get_future().then(...)`` read it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -57,3 +61,21 @@ def redirect_to_fake_pg(replay_world: int, replay_rank: int, refuse: Callable[[s
     for mod in (dist, c10d):
         setattr(mod, "init_process_group", init_process_group)  # noqa: B010
         setattr(mod, "new_group", new_group)  # noqa: B010
+
+
+def completed_work(result: Any) -> Any:
+    """``result`` (an op's return: ``(outputs, work)`` or ``work``) with its Work replaced by one
+    already completed whose future's value is the outputs, as gloo and NCCL set it."""
+    from torch._C._distributed_c10d import Work, _create_work_from_future
+
+    boxed = result[-1] if isinstance(result, tuple) else result
+    work = Work.unbox(boxed) if isinstance(boxed, torch.ScriptObject) else boxed
+    if not isinstance(work, Work):
+        return result  # a functional collective, or a backend that returned no Work
+    if work.get_future().value() is not None:
+        return result
+    future: torch.futures.Future[Any] = torch.futures.Future()
+    future.set_result(result[0] if isinstance(result, tuple) and len(result) > 1 else [])
+    done = _create_work_from_future(future)
+    replaced = done.boxed() if isinstance(boxed, torch.ScriptObject) else done
+    return (*result[:-1], replaced) if isinstance(result, tuple) else replaced

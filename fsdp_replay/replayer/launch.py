@@ -37,7 +37,10 @@ _DROP_ENV = (
 def replay_command(meta: dict[str, Any], override: list[str]) -> tuple[list[str], str]:
     if override:
         return override, os.getcwd()
-    argv = list(meta.get("argv") or [])
+    # The interpreter's own command line: `python -m pkg.mod`, `-u`, and a wrapper that rewrote
+    # sys.argv before running the script are replayed as they were started.
+    orig = list(meta.get("orig_argv") or [])
+    argv = orig[1:] if orig else list(meta.get("argv") or [])
     if not argv:
         raise TraceFormatError("the trace does not record this rank's command line; give one after --")
     if schema.REDACTED in " ".join(argv):
@@ -60,10 +63,14 @@ def check_script(meta: dict[str, Any], command: list[str], cwd: str) -> None:
     recorded = script.get("sha256")
     if not recorded:
         return
+    recorded_path = script.get("path")
     candidates = [a for a in command[1:] if a.endswith(".py")]
-    if not candidates:
+    if recorded_path and Path(recorded_path).is_file():
+        path = Path(recorded_path)
+    elif candidates:
+        path = Path(cwd, candidates[0])
+    else:
         return
-    path = Path(cwd, candidates[0])
     if not path.is_file():
         raise ReplayMismatchError(f"the recorded script {script.get('path')} is not at {path}")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()

@@ -32,11 +32,11 @@ def replay(
     return doc, proc.stdout + proc.stderr, proc.returncode
 
 
-@pytest.mark.parametrize(("nproc", "mode"), [(2, "fsdp2"), (2, "fsdp1"), (3, "fsdp2")])
+@pytest.mark.parametrize(("nproc", "mode"), [(2, "fsdp2"), (2, "fsdp1"), (3, "fsdp2"), (2, "ddp")])
 def test_every_rank_replays_alone_bit_exact_from_start_and_from_a_snapshot(
     tmp_path: Path, nproc: int, mode: str
 ) -> None:
-    args = ("--steps", "5", *SMALL, *(("--fsdp1",) if mode == "fsdp1" else ()))
+    args = ("--steps", "5", *SMALL, *((f"--{mode}",) if mode != "fsdp2" else ()))
     rec, _ = record(tmp_path, nproc, *args, record_args=("--snapshot-every", "2"))
     for rank in range(nproc):
         doc, out, _ = replay(rec, rank, check_code=0)
@@ -48,6 +48,15 @@ def test_every_rank_replays_alone_bit_exact_from_start_and_from_a_snapshot(
         assert doc["restored_snapshot"] == 2, out
         assert doc["verified_steps"] == [2, 3, 4]
         assert (rec / f"report-{rank}-from-step-3" / "replay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_exception_only_the_replay_meets_is_an_error_not_a_divergence(tmp_path: Path) -> None:
+    wrapper = REPO / "tests" / "workloads" / "raise_in_replay.py"
+    rec, _ = record(tmp_path, 2, "--steps", "4", *SMALL, script=(str(wrapper), str(EXAMPLE)))
+    doc, out, _ = replay(rec, 0, check_code=3)
+    assert doc["status"] == "error" and not doc["divergences"], out
+    assert "raised RuntimeError: planted: only the replay meets this" in out
+    assert "not a finding about the recorded run" in out
 
 
 def test_planted_nondeterminism_stops_the_replay_at_that_step_rank_and_collective(tmp_path: Path) -> None:
