@@ -66,7 +66,7 @@ def redirect_to_fake_pg(replay_world: int, replay_rank: int, refuse: Callable[[s
 def completed_work(result: Any) -> Any:
     """``result`` (an op's return: ``(outputs, work)`` or ``work``) with its Work replaced by one
     already completed whose future's value is the outputs, as gloo and NCCL set it."""
-    from torch._C._distributed_c10d import Work, _create_work_from_future
+    from torch._C._distributed_c10d import Work, _create_work_from_future  # type: ignore[attr-defined]
 
     boxed = result[-1] if isinstance(result, tuple) else result
     work = Work.unbox(boxed) if isinstance(boxed, torch.ScriptObject) else boxed
