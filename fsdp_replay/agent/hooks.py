@@ -4,7 +4,8 @@
 - step boundaries: the global optimizer step pre/post hooks;
 - micro-steps and loss: ``torch.autograd.backward`` (which ``Tensor.backward`` calls);
 - batches: ``_BaseDataLoaderIter.__next__`` (single- and multi-process loaders);
-- root modules (for names and buffers): global forward pre/post hooks, during step 0 only.
+- root modules (for names and buffers): global forward pre/post hooks, during step 0 only;
+- object collectives (``broadcast_object_list``...): what each rank sends, canonically (``objects.py``).
 
 A guard turns any exception of ours into ``recorder.fail`` and lets the program's call proceed.
 """
@@ -22,6 +23,7 @@ from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 from torch.utils.data import dataloader
 
+from fsdp_replay.agent import objects
 from fsdp_replay.agent.collectives import CollectiveInterceptor, Handler
 from fsdp_replay.agent.cxx.kernel import DRAIN_AT
 from fsdp_replay.agent.tape import agent_work
@@ -85,6 +87,8 @@ class Hooks:
             self._undo.append(handle.remove)
 
         self._patch(torch.autograd, "backward", self._backward)
+        for mod, name in objects.patch_targets():
+            self._patch(mod, name, functools.partial(objects.wrap, name, active=owner.active))
         if hasattr(owner, "complete_deferred"):
             from torch._C._distributed_c10d import Work
 

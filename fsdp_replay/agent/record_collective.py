@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_replay.agent import capture
+from fsdp_replay.agent import capture, objects
 from fsdp_replay.agent.collectives import DEFERRABLE_OPS, P2P_OPS, CollectiveCall, wait_result, work_of
 from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
@@ -160,6 +160,9 @@ class CollectiveRecorder:
                     for i, t in enumerate(inputs)
                 ],
             }
+            sending = objects.current()
+            if sending is not None:  # what the pickled bytes stand for (none on a receiving rank)
+                event["tensors"].append(record("j", sending.sent, False))
             extra = call.extra
             if extra:
                 event["extra"] = extra

@@ -23,7 +23,10 @@ from fsdp_replay.analysis.columns import (
 )
 from fsdp_replay.analysis.payloads import magnitude
 from fsdp_replay.trace.reader import RankTrace
-from fsdp_replay.trace.schema import ROLE_INPUT, ROLE_NAMES
+from fsdp_replay.trace.schema import ROLE_INPUT, ROLE_NAMES, ROLE_OBJECTS
+
+# Ops whose tensors a rank other than the root only receives into (often a fresh torch.empty).
+RECEIVED_OFF_ROOT = ("broadcast_", "broadcast")
 
 
 @dataclass
@@ -59,6 +62,32 @@ def coll_info(s: Side, p: int) -> dict[str, Any]:
         "reduce_op": name_of(s.r.names("reduce_op"), int(co.reduce_op[p])),
         "tensors": tensors,
     }
+
+
+def not_data(s: Side, rows: np.ndarray, owner: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The tensor rows that are not the program's data, so two runs may differ there: the receive
+    buffers of a broadcast this rank is not the root of, and the pickled bytes of an object
+    collective (they embed storage addresses; its ``objects sent`` rows are compared instead)."""
+    t = s.r.tensors
+    role = t["role"][rows]
+    colls = s.r.collectives
+    coll_rows = s.co.rows[positions]
+    group_rank = {
+        int(g["pg"]): int(g.get("group_rank", -1)) for g in s.r.attrs.get("process_groups", []) or []
+    }
+    receiving = np.zeros(len(positions), dtype=bool)
+    bcast = [i for i, name in enumerate(s.ops) if name in RECEIVED_OFF_ROOT]
+    if bcast:
+        roots = colls["root"][coll_rows]
+        mine = np.array(
+            [group_rank.get(int(pg), -2) for pg in colls["pg"][coll_rows].tolist()], dtype=np.int64
+        )
+        receiving = np.isin(colls["op"][coll_rows], bcast) & (roots >= 0) & (roots != mine)
+    objects = np.zeros(len(positions), dtype=bool)
+    has_objects = role == ROLE_OBJECTS
+    if has_objects.any():
+        objects[np.unique(owner[has_objects])] = True
+    return (receiving[owner] & (role == ROLE_INPUT)) | (objects[owner] & ~has_objects)
 
 
 def align_start(a: Side, b: Side) -> tuple[int, int]:
@@ -119,6 +148,9 @@ def diff_collectives(a: Side, b: Side, intern: Interner) -> dict[str, Any]:
             g(a.algos, ta["algo"][rows_a], "al:") != g(b.algos, tb["algo"][rows_b], "al:")
         )
     bad = t_struct | t_value
+    if len(rows_a):
+        positions = np.arange(oa, oa + m)
+        bad &= ~(not_data(a, rows_a, owner, positions) | not_data(b, rows_b, owner, np.arange(ob, ob + m)))
     k = first_true(bad)
     out: dict[str, Any] = {"compared": n, "a_total": len(ca), "b_total": len(cb), "offset": [oa, ob]}
     # the first differing input per (step, micro), for placing the losses

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fsdp_replay.agent import capture
+from fsdp_replay.agent import capture, objects
 from fsdp_replay.agent.collectives import CollectiveCall
 from fsdp_replay.agent.config import StepSet
 from fsdp_replay.agent.fingerprint import Pending, fingerprint, fingerprint_many
@@ -58,6 +58,49 @@ def pg_problem(rec: RankRecord, call: CollectiveCall, exp: ExpectedColl) -> str 
     return None
 
 
+# Ops whose tensors a rank other than the root only receives into (often a fresh torch.empty).
+_RECEIVED_OFF_ROOT = frozenset({"broadcast_", "broadcast"})
+
+
+def receives_only(call: CollectiveCall) -> bool:
+    """This rank's "inputs" of a broadcast it is not the root of: receive buffers, not data."""
+    if call.op not in _RECEIVED_OFF_ROOT or call.root is None:
+        return False
+    pg = call.process_group
+    return pg is not None and pg.rank() != int(call.root)
+
+
+def _check_objects(call: CollectiveCall, exp: ExpectedColl, base: dict[str, Any]) -> Finding | None:
+    """An object collective: the objects this rank sent, serialized canonically, against the
+    record (the pickled bytes embed storage addresses: they differ in every process)."""
+    sending = objects.current()
+    recorded = exp.role("j")
+    if sending is None or not recorded:
+        detail = "the replayed rank issued it from an object collective; the recorded one did not"
+        if sending is None:
+            detail = "the recorded rank issued it from an object collective; the replayed one did not"
+        return Finding(
+            Divergence(kind="collective_input", **base, tensor="objects sent", detail=detail), True, True
+        )
+    sent = sending.sent
+    e = recorded[0]
+    fp = value(fingerprint(sent, e.algo)[0])
+    if fp == e.fp:
+        return None
+    detail = (
+        f"the objects this rank sent through {sending.function} differ from the "
+        f"recorded ones (compared serialized with torch.save: {sent.numel()} bytes, recorded {e.shape[0]})"
+    )
+    d = Divergence(
+        kind="collective_input", **base, tensor="objects sent", expected_fp=e.fp, actual_fp=fp, detail=detail
+    )
+    return Finding(d, stop=True, feeding=True)
+
+
+def is_object_collective(exp: ExpectedColl) -> bool:
+    return objects.current() is not None or bool(exp.role("j"))
+
+
 def check_call(
     rec: RankRecord,
     call: CollectiveCall,
@@ -77,6 +120,10 @@ def check_call(
         problem = pg_problem(rec, call, exp)
         if problem:
             return Finding(Divergence(kind="process_group", **base, detail=problem), stop=True)
+        if is_object_collective(exp):  # the pickled bytes are not compared, what they stand for is
+            return _check_objects(call, exp, base)
+    elif is_object_collective(exp):
+        return None  # a sender's own buffers are sized by its own pickles; fill_outputs takes care
     if len(expected) != len(tensors):
         d = Divergence(kind="shape", **base, detail=f"{len(tensors)} {role}s; recorded {len(expected)}")
         return Finding(d, stop=True)
@@ -86,7 +133,7 @@ def check_call(
         if dtype != e.dtype or tuple(t.shape) != e.shape:
             detail = f"{dtype}{list(t.shape)}; recorded {e.dtype}{list(e.shape)}"
             return Finding(Divergence(kind="shape", **base, tensor=f"{role} {i}", detail=detail), True, True)
-    if role != "input":
+    if role != "input" or receives_only(call):
         return None
     for i, (t, e) in enumerate(zip(call.inputs, expected, strict=True)):
         t = capture.local(t)
@@ -131,6 +178,8 @@ def check_live_outputs(
     rec: RankRecord, call: CollectiveCall, exp: ExpectedColl, base: dict[str, Any]
 ) -> Finding | None:
     """All-rank replay: the live result must equal the recorded one."""
+    if is_object_collective(exp):
+        return None  # pickled bytes, with their senders' storage addresses: the senders compare objects
     for i, (t, e) in enumerate(zip(call.outputs, exp.role("o"), strict=False)):
         t = capture.local(t)
         fp = value(fingerprint(t, e.algo)[0])
@@ -157,8 +206,15 @@ def fill_outputs(
     restore_step: int,
 ) -> Finding | None:
     """Write the recorded payloads into the call's outputs (what the peers would have sent)."""
-    for t, e in zip(call.outputs, exp.role("o"), strict=False):
+    sending = objects.current()
+    sender = sending is not None and sending.sends
+    for i, (t, e) in enumerate(zip(call.outputs, exp.role("o"), strict=False)):
         dst = capture.local(t)
+        if tuple(dst.shape) != e.shape:
+            if sender:  # its own objects' pickles, sized here: they stay (checked as objects sent)
+                continue
+            detail = f"output {i}: {list(dst.shape)}; recorded {list(e.shape)}"
+            return Finding(Divergence(kind="shape", **base, tensor=f"output {i}", detail=detail), True, True)
         if e.payload >= 0:
             with torch.no_grad():
                 dst.copy_(rec.tensor(e))

@@ -292,11 +292,18 @@ TABLES: dict[str, dict[str, str]] = {
 MODULE_KIND_CODES: Final = {"fwd": 0, "bwd": 1}
 MODULE_KINDS: Final = tuple(MODULE_KIND_CODES)  # code -> kind
 # tensors.role: the events' role letters as codes, and the codes' names in reports.
-ROLE_CODES: Final = {"i": 0, "o": 1, "": 2}
+# "j": the objects a rank sent into an object collective, serialized canonically (agent/objects.py).
+ROLE_CODES: Final = {"i": 0, "o": 1, "": 2, "j": 3}
 ROLE_INPUT: Final = ROLE_CODES["i"]
 ROLE_OUTPUT: Final = ROLE_CODES["o"]
+ROLE_OBJECTS: Final = ROLE_CODES["j"]
 ROLE_LETTERS: Final = {code: letter for letter, code in ROLE_CODES.items()}
-ROLE_NAMES: Final = {ROLE_INPUT: "input", ROLE_OUTPUT: "output", ROLE_CODES[""]: ""}
+ROLE_NAMES: Final = {
+    ROLE_INPUT: "input",
+    ROLE_OUTPUT: "output",
+    ROLE_CODES[""]: "",
+    ROLE_OBJECTS: "objects sent",
+}
 
 
 def blob_path(digest: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import zarr
-from harness import CLI, EXAMPLE, REPO, record, run
+from harness import CLI, EXAMPLE, REPO, child_env, record, run, torchrun_cmd
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
@@ -57,6 +57,28 @@ def test_an_exception_only_the_replay_meets_is_an_error_not_a_divergence(tmp_pat
     assert doc["status"] == "error" and not doc["divergences"], out
     assert "raised RuntimeError: planted: only the replay meets this" in out
     assert "not a finding about the recorded run" in out
+
+
+def test_object_collectives_and_receive_buffers_replay_bit_exact_and_a_real_difference_is_caught(
+    tmp_path: Path,
+) -> None:
+    workload = str(REPO / "tests" / "workloads" / "object_collectives.py")
+    runs = {}
+    for name, env in (("a", {}), ("b", {}), ("planted", {"PLANT_OBJECT": "1"})):
+        out = tmp_path / name
+        run([*CLI, "record", "--out", str(out), "--", *torchrun_cmd(2, workload)], env=child_env(**env))
+        runs[name] = out
+    for rank in (0, 1):  # pickles with storage addresses, a torch.empty receive buffer: no false divergence
+        doc, out, _ = replay(runs["a"], rank, check_code=0)
+        assert doc["status"] == "bit-exact", out
+    proc = run([*CLI, "diff", str(runs["a"]), str(runs["b"])], check=False)
+    assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout + proc.stderr
+    doc, out, _ = replay(runs["planted"], 0, check_code=1)  # rank 0 sent other objects than recorded
+    first = doc["first_divergence"]
+    assert (first["op"], first["tensor"], first["seq"]) == ("broadcast_", "objects sent", 0), out
+    assert "differ from the recorded ones" in json.dumps(first)
+    doc, out, _ = replay(runs["planted"], 1, check_code=0)  # rank 1 received the recorded bytes
+    assert doc["status"] == "bit-exact", out
 
 
 def test_planted_nondeterminism_stops_the_replay_at_that_step_rank_and_collective(tmp_path: Path) -> None:
