@@ -56,8 +56,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 "--all-ranks runs the recorded command under torchrun; it takes no command after --"
             )
         command = launch.all_ranks_command(command, world)
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
+        for k in list(env):  # torchrun sets its own launch for each process
+            if k in launch.LAUNCHER_ENV or k.startswith(("TORCHELASTIC_", "MASTER_")):
+                del env[k]
     env = agent_env(out, config.to_env(), env)
     print(
         f"fsdp-replay: replaying {who} of {world} from step {args.from_step}: {' '.join(command)}",

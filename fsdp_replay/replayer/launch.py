@@ -18,20 +18,22 @@ from fsdp_replay.errors import ReplayMismatchError, TraceFormatError
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
 
-# Recorded variables that must not be carried into the replay (they describe the old launch).
+# Recorded variables that must not be carried into the replay: the old launch's rendezvous, files
+# it wrote to, the device choice (--device decides), and the agent's own.
 _DROP_ENV = (
-    "TORCHELASTIC_",
-    "MASTER_",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "LOCAL_WORLD_SIZE",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_ERROR_FILE",  # torchrun's per-run error file: a replay never writes the job's files
+    "TORCHELASTIC_USE_AGENT_STORE",  # there is no torchrun agent store to connect to
     "CUDA_VISIBLE_DEVICES",
     "FSDP_REPLAY_",
     "PYTHONPATH",
 )
+# The launcher's variables (torchrun/elastic, SLURM, Open MPI, PMI): carried as recorded, so a
+# framework that reads them (Lightning, accelerate, HF) computes the rank, world and local rank
+# it computed in the recording. Set by the replay when the recording lacks them (a plain
+# `python script.py` that calls init_process_group with explicit ranks).
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 
 
 def replay_command(meta: dict[str, Any], override: list[str]) -> tuple[list[str], str]:
@@ -100,25 +102,40 @@ def replay_env(
     """The replayed rank's environment: the recorded one, except where the caller's own
     environment sets a variable to another value: an explicit choice wins, and ``notes`` says so."""
     env = dict(os.environ)
-    for k, v in (meta.get("env") or {}).items():
+    for k in list(env):  # this shell's own launch (a replay started inside a job) is not the recorded one
+        if k in LAUNCHER_ENV or k.startswith("TORCHELASTIC_"):
+            del env[k]
+    recorded = meta.get("env") or {}
+    for k, v in recorded.items():
         if v == schema.REDACTED or k.startswith(_DROP_ENV):
             continue
         mine = os.environ.get(k)
-        if mine is not None and mine != v:
+        if mine is not None and mine != v and k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_"):
             if notes is not None:
                 notes.append(f"{k}={mine} from your environment is used; the recorded run had {k}={v}")
             continue
         env[k] = v
-    env.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": "29599",
-        }
-    )
+    env["RANK"], env["WORLD_SIZE"] = str(rank), str(world)
+    env.setdefault("LOCAL_RANK", str(meta.get("local_rank", 0) or 0))
+    env.setdefault("LOCAL_WORLD_SIZE", "1")
+    # The fake process group needs no rendezvous; these only keep env:// parsing happy.
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"})
+    if device and device.startswith("cuda") and env.get("LOCAL_RANK", "0") != "0":
+        # One visible GPU: a program that picks cuda:LOCAL_RANK must find it at index 0.
+        if notes is not None:
+            notes.append(
+                f"LOCAL_RANK=0 (recorded {env['LOCAL_RANK']}): --device {device} is the only GPU the replay sees"
+            )
+        env["LOCAL_RANK"] = "0"
+    elif (
+        not device
+        and env["LOCAL_RANK"] != "0"
+        and (meta.get("versions") or {}).get("cuda")
+        and notes is not None
+    ):
+        notes.append(
+            f"LOCAL_RANK={env['LOCAL_RANK']} as recorded; on a machine with fewer GPUs pass --device cuda:0"
+        )
     threads = (meta.get("threads") or {}).get("intra_op")
     if threads and "OMP_NUM_THREADS" not in (meta.get("env") or {}):
         mine = os.environ.get("OMP_NUM_THREADS")
