@@ -34,6 +34,7 @@ from fsdp_replay.agent.batches import BatchRecorder
 from fsdp_replay.agent.config import Fault, RecordConfig
 from fsdp_replay.agent.counters import AgentState, counters
 from fsdp_replay.agent.cxx.bridge import KernelBridge
+from fsdp_replay.agent.files import FileLedger
 from fsdp_replay.agent.fingerprint import fingerprint_many, host_values, native
 from fsdp_replay.agent.process_groups import ProcessGroups
 from fsdp_replay.agent.record_collective import CollectiveRecorder
@@ -90,6 +91,8 @@ class Recorder:
         self.module_idx = 0
         self._pending_marker: threading.Event | None = None
         self.tap: Any = None
+        self.files = FileLedger(lambda: not self.finished, config.out)
+        self.files.install()
         if not config.module_fingerprints.empty:
             from fsdp_replay.agent.modules import ModuleTap
 
@@ -282,6 +285,7 @@ class Recorder:
             with contextlib.suppress(Exception):
                 self.collectives.complete_deferred(force=True)
         self.states.write_modules(w)
+        self._write_files(w)
         w.event(
             {
                 "type": schema.EV_END,
@@ -296,6 +300,11 @@ class Recorder:
         )
         w.flush(FLUSH_TIMEOUT_S)
         w.close()
+
+    def _write_files(self, w: Any) -> None:
+        new = self.files.take()
+        if new is not None:
+            w.event({"type": schema.EV_FILES, **new})
 
     # -- steps --------------------------------------------------------------------------------
     def on_step_begin(self, opt: torch.optim.Optimizer) -> None:
@@ -329,6 +338,7 @@ class Recorder:
                 "counters": counters(st, w, agent_cpu),
             }
         )
+        self._write_files(w)
         if st.pos.step == 0:
             self.states.write_modules(w)
             if self.on_step_zero_done is not None:

@@ -28,7 +28,7 @@ from fsdp_replay.agent.collectives import CollectiveCall, wait_result
 from fsdp_replay.agent.hooks import Hooks
 from fsdp_replay.agent.tape import OpTape
 from fsdp_replay.errors import ExitCode, FsdpReplayError, TraceIncompleteError
-from fsdp_replay.replayer import feed, restore, verify
+from fsdp_replay.replayer import feed, overlay, restore, verify
 from fsdp_replay.replayer.config import ReplayConfig
 from fsdp_replay.replayer.expected import RankRecord
 from fsdp_replay.replayer.fake_pg import completed_work, redirect_to_fake_pg
@@ -166,6 +166,11 @@ class Replayer:
                 f"{torch.__version__} (kernels differ between versions; pass --force to replay anyway)"
             )
         restore.restore_rng(self.rec, -1, "process start", self.notes)
+        here = Path(self.config.report) / (RANK_REPORT_FMT.format(rank=self.rank) if self.live else "")
+        local_trace = [self.config.trace] if "://" not in self.config.trace else []
+        self.files, self.changed_inputs = overlay.isolate(
+            self.rec.attrs.get("files") or {}, here / "files", [self.config.report, *local_trace], self.notes
+        )
         if not self.live:
             redirect_to_fake_pg(self.world, self.rank, self.refuse)
             self.rec.start_prefetch()

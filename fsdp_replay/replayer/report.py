@@ -154,6 +154,18 @@ def render_text(report: dict[str, Any]) -> str:
             "with --no-tape: on CUDA some kernels (atomics) are not bit-reproducible, so a divergence inside "
             "compute may come from them"
         )
+    changed = (report.get("files") or {}).get("changed_inputs") or []
+    if status == "diverged" and changed:
+        c = changed[0]
+        lines.append(
+            f"  likely cause: {c['path']} changed since the recording ({c['what']}); the recorded run read it"
+        )
+    written = (report.get("files") or {}).get("written") or []
+    if written:
+        lines.append(
+            f"  the replay's writes ({len(written)} path{'s' if len(written) > 1 else ''}, e.g. {written[0]}) went to "
+            f"{report['files']['private_folder']}; the recorded job's files are untouched"
+        )
     for n in report.get("notes", []):
         lines.append(f"  note: {n}")
     return "\n".join(lines) + "\n"
@@ -204,6 +216,11 @@ def build_report(r: Any, status: str, reason: str) -> dict[str, Any]:
         "tape_matched": r.tape.matched if r.tape is not None else 0,
         "taped": r.tape is not None,
         "notes": r.notes,
+        "files": {
+            "changed_inputs": getattr(r, "changed_inputs", []),
+            "written": list(r.files.writes[:100]) if getattr(r, "files", None) is not None else [],
+            "private_folder": r.files.root if getattr(r, "files", None) is not None else None,
+        },
         "determinism": r.rec.meta.get("determinism"),
         "recorded_on_cuda": "cuda" in r.rec.attrs.get("device_names", []),
         "seconds": time.monotonic() - r.t0,

@@ -25,6 +25,7 @@ EV_DROP: Final = "drop"
 EV_STUCK: Final = "stuck"
 EV_ALIVE: Final = "alive"
 EV_KERNEL_OP: Final = "kop"
+EV_FILES: Final = "files"
 EV_END: Final = "end"
 
 
@@ -173,6 +174,18 @@ class AgentError(_AgentError, total=False):
     seq: int
 
 
+class Files(TypedDict):
+    """Files the program read (before writing them) and wrote since the last ``files`` event."""
+
+    type: str
+    read: list[dict[str, Any]]
+    """``{"path", "size", "mtime_ns", "sha256"}`` (sha256 None above 1 MiB)."""
+    written: list[dict[str, Any]]
+    """``{"path", "existed"}``: written, created, renamed or removed; whether it existed before."""
+    overflow: int
+    """Paths not kept beyond the ledger's bound (``agent/files.py``)."""
+
+
 class Drop(TypedDict):
     type: str
     what: str
@@ -235,6 +248,7 @@ EVENT_TYPES: Final[dict[str, Any]] = {
     EV_MODULE_FP: ModuleFp,
     EV_AGENT_ERROR: AgentError,
     EV_DROP: Drop,
+    EV_FILES: Files,
     EV_STUCK: Stuck,
     EV_ALIVE: Alive,
     EV_KERNEL_OP: KernelOp,

@@ -81,6 +81,7 @@ class RankBuilder:
         self.attrs: dict[str, Any] = {
             "rank_start": None,
             "process_groups": [],
+            "files": {"read": [], "written": [], "overflow": 0},
             "snapshots": [],
             "modules": [],
             "end": None,
@@ -199,6 +200,12 @@ class RankBuilder:
         if self.attrs["attempts"] > 1:
             # A restarted rank (torchelastic) starts a new attempt: blob ids restart too.
             self.blob_payload = {}
+
+    def _ev_files(self, ev: dict[str, Any]) -> None:
+        files = self.attrs["files"]
+        files["read"].extend(ev["read"])
+        files["written"].extend(ev["written"])
+        files["overflow"] = max(files["overflow"], int(ev["overflow"]))
 
     def _ev_pg(self, ev: dict[str, Any]) -> None:
         self.attrs["process_groups"].append({k: v for k, v in ev.items() if k != "type"})

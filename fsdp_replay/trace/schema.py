@@ -37,6 +37,9 @@ from fsdp_replay.trace.events import (
     EV_END as EV_END,
 )
 from fsdp_replay.trace.events import (
+    EV_FILES as EV_FILES,
+)
+from fsdp_replay.trace.events import (
     EV_KERNEL_OP as EV_KERNEL_OP,
 )
 from fsdp_replay.trace.events import (

@@ -81,6 +81,44 @@ def test_object_collectives_and_receive_buffers_replay_bit_exact_and_a_real_diff
     assert doc["status"] == "bit-exact", out
 
 
+def _digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.rglob("*")) if f.is_file()
+    }
+
+
+def test_a_replay_leaves_the_recorded_jobs_files_alone_and_names_a_changed_input(tmp_path: Path) -> None:
+    workload = str(REPO / "tests" / "workloads" / "checkpointing.py")
+    config, ckpts = tmp_path / "config.json", tmp_path / "ckpts"
+    config.write_text('{"lr": 0.05}')
+    rec = tmp_path / "run"
+    command = torchrun_cmd(2, workload, "--config", str(config), "--ckpt-dir", str(ckpts))
+    run([*CLI, "record", "--out", str(rec), "--", *command], env=child_env())
+    before = _digests(ckpts)
+    assert len(before) == 2 * 6  # per rank: step0-3, latest, log
+    ledger = Trace.open(rec / schema.TRACE_DIR).rank(0).attrs["files"]
+    assert str(config) in {r["path"] for r in ledger["read"]}
+    assert {"path": str(ckpts / "rank0" / "latest.pt"), "existed": False} in ledger["written"]
+    for rank in (0, 1):
+        # latest.pt exists now, but did not when the recorded run began: the replay starts fresh
+        doc, out, _ = replay(rec, rank, check_code=0)
+        assert doc["status"] == "bit-exact", out
+        written = set(doc["files"]["written"])
+        assert (
+            str(ckpts / f"rank{rank}" / "latest.pt") in written
+            and "recorded job's files are untouched" in out
+        )
+        private = Path(doc["files"]["private_folder"])
+        assert (private / str(ckpts / f"rank{rank}" / "log.txt").lstrip("/")).read_text().count("step") == 4
+    assert _digests(ckpts) == before  # byte-identical
+    config.write_text('{"lr": 0.07}')
+    doc, out, _ = replay(rec, 0, check_code=1)
+    assert f"likely cause: {config} changed since the recording" in out, out
+    assert _digests(ckpts) == before
+
+
 def test_planted_nondeterminism_stops_the_replay_at_that_step_rank_and_collective(tmp_path: Path) -> None:
     rec, _ = record(
         tmp_path, 2, "--steps", "4", *SMALL, "--wallclock-noise-at-step", "2", "--noise-rank", "1"

@@ -70,6 +70,7 @@ def test_event_keys_pinned() -> None:
         "stuck": {"type", "seq", "step", "op", "pg", "t_ns", "waited_ns"},
         "alive": {"type", "seq", "step", "t_ns"},
         "kop": {"type", "seq", "step", "micro", "op", "tensors"},
+        "files": {"type", "read", "written", "overflow"},
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
     }
     assert {k: set(v) for k, v in schema.EVENT_KEYS.items()} == expected
@@ -213,7 +214,7 @@ def test_tables_pinned() -> None:
     assert expected == schema.TABLES
     # the column order is the order the docs list them in
     assert {t: list(c) for t, c in schema.TABLES.items()} == {t: list(c) for t, c in expected.items()}
-    assert schema.ROLE_CODES == {"i": 0, "o": 1, "": 2}
+    assert schema.ROLE_CODES == {"i": 0, "o": 1, "": 2, "j": 3}
 
 
 def test_the_spec_documents_every_key_table_and_column() -> None:

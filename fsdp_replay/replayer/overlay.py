@@ -1,0 +1,401 @@
+"""A replay never writes over the recorded job's files, and sees the files as its run began.
+
+The replayed program runs in the recorded working directory (it reads its data and configs
+there), under a copy-on-write view built from the file ledger of the recording
+(``agent/files.py``) in Python's file functions:
+
+- every write (``open`` for writing, ``os.open`` with write flags, ``torch.save`` to a path,
+  ``mkdir``, ``rename``/``replace``, ``remove``/``unlink``/``rmdir``, ``shutil.rmtree``, ``utime``,
+  ``chmod``, ``truncate``) goes to the replay's private folder ``REPORT/files/<absolute path>``;
+  a file opened for appending or updating is copied there first;
+- a read (``open``, ``os.open``, ``stat``, ``listdir``, ``scandir``, ``torch.load``) sees the
+  replay's own copy where it wrote one; a file the recorded run created (it did not exist when that
+  run first wrote it) is absent until the replay writes it, as it was when the recorded run began;
+  what the replay removed is absent;
+- the Python installation, ``/proc``, ``/sys``, ``/dev``, the replay's report folder and the
+  shared caches (``~/.cache``, torch.compile's and Triton's) are used as they are.
+
+Code that opens files from C or C++ (a native extension's own I/O, a subprocess) is not seen:
+``replayed_writes`` lists what went through the view, and the docs say where it ends.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import io
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fsdp_replay.agent.files import excluded_roots, is_write
+
+_real: dict[str, Any] = {}
+
+
+def _o(name: str) -> Any:
+    return _real.get(name) or getattr(os, name)
+
+
+def _lexists(p: str) -> bool:
+    try:
+        _o("lstat")(p)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _isdir(p: str) -> bool:
+    import stat
+
+    try:
+        return stat.S_ISDIR(_o("stat")(p).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _cache_roots() -> list[str]:
+    home = os.path.expanduser("~")
+    roots = [os.path.join(home, ".cache"), os.path.join(home, ".triton")]
+    for var in ("XDG_CACHE_HOME", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCH_HOME"):
+        if os.environ.get(var):
+            roots.append(os.environ[var])
+    tmp = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        roots += [os.path.join(tmp, n) for n in os.listdir(tmp) if n.startswith(("torchinductor_", "triton"))]
+    user = os.environ.get("USER") or os.environ.get("LOGNAME") or ""
+    roots.append(os.path.join(tmp, f"torchinductor_{user or 'root'}"))
+    return roots
+
+
+def _absent(path: Any) -> OSError:
+    return FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(path))
+
+
+class Overlay:
+    """The replay's view of the files (module docstring)."""
+
+    def __init__(self, root: Path, created: set[str], known: set[str], keep: list[str]) -> None:
+        self.root = os.path.realpath(root)
+        self.created = created  # by the recorded run: absent until the replay writes them
+        self.removed: set[str] = set()  # by the replay
+        self.keep = tuple(sorted(os.path.realpath(k).rstrip(os.sep) + os.sep for k in keep))
+        self.writes: list[str] = []
+        # The temp folder is the replay's own, except where the recorded run kept files.
+        self.tmp = os.path.realpath(tempfile.gettempdir()) + os.sep
+        self.tmp_tops = {k[len(self.tmp) :].split(os.sep)[0] for k in known if k.startswith(self.tmp)}
+
+    # -- mapping -------------------------------------------------------------------------------
+    def _path(self, path: Any) -> str | None:
+        if isinstance(path, int) or path is None:
+            return None
+        p = os.path.abspath(os.fsdecode(path))
+        if (p + os.sep).startswith(self.keep) or p == self.root or p.startswith(self.root + os.sep):
+            return None
+        if p.startswith(self.tmp) and p[len(self.tmp) :].split(os.sep)[0] not in self.tmp_tops:
+            return None
+        return p
+
+    def upper(self, p: str) -> str:
+        return self.root + p
+
+    def hidden(self, p: str) -> bool:
+        if p in self.removed:
+            return True
+        q = p
+        while q and q != os.sep:
+            if q in self.created or q in self.removed:
+                return True
+            q = os.path.dirname(q)
+        return False
+
+    def exists_below(self, p: str) -> bool:
+        return not self.hidden(p) and _lexists(p)
+
+    def read(self, path: Any) -> Any:
+        """The path to read ``path`` from; raises FileNotFoundError where the view has none."""
+        p = self._path(path)
+        if p is None:
+            return path
+        u = self.upper(p)
+        if _lexists(u):
+            return u
+        if self.hidden(p):
+            raise _absent(path)
+        return path
+
+    def write(self, path: Any, copy_up: bool = False) -> Any:
+        """The path to write ``path`` at (in the private folder); copies the file up first when
+        ``copy_up`` (appending, updating)."""
+        p = self._path(path)
+        if p is None:
+            return path
+        u = self.upper(p)
+        _o("makedirs")(os.path.dirname(u), exist_ok=True)
+        if copy_up and not _lexists(u) and self.exists_below(p) and not _isdir(p):
+            shutil.copy2(p, u)
+        self.removed.discard(p)
+        if p not in self.writes:
+            self.writes.append(p)
+        return u
+
+    # -- the patched functions -----------------------------------------------------------------
+    def open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        target = (
+            self.write(file, copy_up="a" in mode or "+" in mode) if is_write(mode, None) else self.read(file)
+        )
+        return _real["open"](target, mode, *args, **kwargs)
+
+    def os_open(self, path: Any, flags: int, mode: int = 0o777, *, dir_fd: Any = None) -> int:
+        if dir_fd is not None:
+            return int(_real["os.open"](path, flags, mode, dir_fd=dir_fd))
+        if is_write(None, flags):
+            target = self.write(path, copy_up=not flags & os.O_TRUNC)
+        else:
+            target = self.read(path)
+        return int(_real["os.open"](target, flags, mode))
+
+    def stat_like(self, name: str) -> Callable[..., Any]:
+        real = _real[name]
+
+        def stat(path: Any, *args: Any, dir_fd: Any = None, **kwargs: Any) -> Any:
+            if dir_fd is not None:
+                return real(path, *args, dir_fd=dir_fd, **kwargs)
+            return real(self.read(path), *args, **kwargs)
+
+        return stat
+
+    def listdir(self, path: Any = ".") -> list[Any]:
+        p = self._path(path)
+        if p is None:
+            return list(_real["listdir"](path))
+        names = [n for n in self._lower_names(p) if not self.hidden(os.path.join(p, n))]
+        u = self.upper(p)
+        if _isdir(u):
+            names += [n for n in _real["listdir"](u) if n not in names]
+        elif not self.exists_below(p):
+            raise _absent(path)
+        return [os.fsencode(n) for n in names] if isinstance(path, bytes) else names
+
+    def _lower_names(self, p: str) -> list[str]:
+        if not self.exists_below(p) or not _isdir(p):
+            return []
+        return list(_real["listdir"](p))
+
+    def scandir(self, path: Any = ".") -> Any:
+        p = self._path(path)
+        if p is None:
+            return _real["scandir"](path)
+        entries: dict[str, Any] = {}
+        u = self.upper(p)
+        if self.exists_below(p) and _isdir(p):
+            with _real["scandir"](p) as it:
+                entries.update((e.name, e) for e in it if not self.hidden(os.path.join(p, e.name)))
+        if _isdir(u):
+            with _real["scandir"](u) as it:
+                entries.update((e.name, e) for e in it)
+        elif not self.exists_below(p):
+            raise _absent(path)
+        return _Entries(list(entries.values()))
+
+    def mkdir(self, path: Any, mode: int = 0o777, *, dir_fd: Any = None) -> None:
+        if dir_fd is not None or self._path(path) is None:
+            _real["mkdir"](path, mode, **({"dir_fd": dir_fd} if dir_fd is not None else {}))
+            return
+        p = self._path(path)
+        assert p is not None
+        if _lexists(self.upper(p)) or self.exists_below(p):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fsdecode(path))
+        _real["mkdir"](self.write(path), mode)
+
+    def rename_like(self, name: str) -> Callable[..., Any]:
+        real = _real[name]
+
+        def rename(src: Any, dst: Any, *, src_dir_fd: Any = None, dst_dir_fd: Any = None) -> None:
+            if src_dir_fd is not None or dst_dir_fd is not None:
+                real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+                return
+            s, d = self._path(src), self._path(dst)
+            if s is None and d is None:
+                real(src, dst)
+                return
+            source = self.read(src)
+            target = self.write(dst)
+            if s is not None and source == src:  # the recorded job's file: copied, never moved
+                if _isdir(source):
+                    shutil.copytree(source, target, dirs_exist_ok=name == "replace")
+                else:
+                    shutil.copy2(source, target)
+            else:
+                real(source, target)
+            if s is not None:
+                self.removed.add(s)
+
+        return rename
+
+    def remove_like(self, name: str) -> Callable[..., Any]:
+        real = _real[name]
+
+        def remove(path: Any, *, dir_fd: Any = None) -> None:
+            if dir_fd is not None:
+                real(path, dir_fd=dir_fd)
+                return
+            p = self._path(path)
+            if p is None:
+                real(path)
+                return
+            u = self.upper(p)
+            if _lexists(u):
+                real(u)
+            elif not self.exists_below(p):
+                raise _absent(path)
+            self.removed.add(p)
+
+        return remove
+
+    def rmtree(self, path: Any, *args: Any, **kwargs: Any) -> None:
+        p = self._path(path)
+        if p is None:
+            _real["rmtree"](path, *args, **kwargs)
+            return
+        u = self.upper(p)
+        if _lexists(u):
+            _real["rmtree"](u, *args, **kwargs)
+        elif not self.exists_below(p):
+            raise _absent(path)
+        self.removed.add(p)
+
+    def modify_like(self, name: str) -> Callable[..., Any]:
+        real = _real[name]
+
+        def modify(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("dir_fd") is not None or isinstance(path, int):
+                return real(path, *args, **kwargs)
+            return real(self.write(path, copy_up=True), *args, **kwargs)
+
+        return modify
+
+    def torch_save(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(f, str | os.PathLike):
+                f = self.write(f)
+            return original(obj, f, *args, **kwargs)
+
+        return save
+
+    def torch_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(f, str | os.PathLike):
+                f = self.read(f)
+            return original(f, *args, **kwargs)
+
+        return load
+
+
+class _Entries:
+    """What ``os.scandir`` returns: an iterator of entries that is also a context manager."""
+
+    def __init__(self, entries: list[Any]) -> None:
+        self._it: Iterator[Any] = iter(entries)
+
+    def __iter__(self) -> _Entries:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._it)
+
+    def __enter__(self) -> _Entries:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._it = iter(())
+
+
+def install(root: Path, ledger: dict[str, Any], keep: list[str]) -> Overlay:
+    """Put the view in place for this process (the replayed program); returns it."""
+    import torch
+    import torch.serialization
+
+    written = {w["path"] for w in ledger.get("written", [])}
+    created = {w["path"] for w in ledger.get("written", []) if not w.get("existed")}
+    view = Overlay(root, created, written, [*excluded_roots(), *_cache_roots(), *keep])
+    Path(view.root).mkdir(parents=True, exist_ok=True)
+    _real.update(
+        {
+            "open": builtins.open,
+            "os.open": os.open,
+            "stat": os.stat,
+            "lstat": os.lstat,
+            "listdir": os.listdir,
+            "scandir": os.scandir,
+            "mkdir": os.mkdir,
+            "makedirs": os.makedirs,
+            "rename": os.rename,
+            "replace": os.replace,
+            "remove": os.remove,
+            "unlink": os.unlink,
+            "rmdir": os.rmdir,
+            "rmtree": shutil.rmtree,
+            "utime": os.utime,
+            "chmod": os.chmod,
+            "truncate": os.truncate,
+        }
+    )
+    builtins.open = io.open = view.open
+    os.open = view.os_open
+    os.stat = view.stat_like("stat")
+    os.lstat = view.stat_like("lstat")
+    os.listdir = view.listdir
+    os.scandir = view.scandir
+    os.mkdir = view.mkdir
+    os.rename = view.rename_like("rename")
+    os.replace = view.rename_like("replace")
+    os.remove = view.remove_like("remove")
+    os.unlink = view.remove_like("unlink")
+    os.rmdir = view.remove_like("rmdir")
+    shutil.rmtree = view.rmtree  # type: ignore[assignment]
+    os.utime = view.modify_like("utime")
+    os.chmod = view.modify_like("chmod")
+    os.truncate = view.modify_like("truncate")
+    torch.save = torch.serialization.save = view.torch_save(torch.serialization.save)
+    torch.load = torch.serialization.load = view.torch_load(torch.serialization.load)
+    return view
+
+
+def changed_inputs(ledger: dict[str, Any]) -> list[dict[str, Any]]:
+    """The files the recorded run read (before writing them) that are not as they were then."""
+    from fsdp_replay.agent.files import identity
+
+    changed = []
+    for rec in ledger.get("read", []):
+        now = identity(rec["path"])
+        if now is None:
+            changed.append({"path": rec["path"], "what": "missing"})
+        elif now["size"] != rec["size"]:
+            changed.append({"path": rec["path"], "what": f"size {now['size']}, recorded {rec['size']}"})
+        elif rec.get("sha256") and now.get("sha256") and now["sha256"] != rec["sha256"]:
+            changed.append({"path": rec["path"], "what": "its content differs (sha256)"})
+        elif not rec.get("sha256") and now["mtime_ns"] != rec["mtime_ns"]:
+            changed.append({"path": rec["path"], "what": "modified since (mtime; too large to hash)"})
+    return changed
+
+
+def isolate(
+    ledger: dict[str, Any], root: Path, keep: list[str], notes: list[str]
+) -> tuple[Overlay, list[dict[str, Any]]]:
+    """Check the recorded inputs, then put the view in place: (the view, the changed inputs)."""
+    changed = changed_inputs(ledger)
+    if changed:
+        listed = ", ".join(f"{c['path']} ({c['what']})" for c in changed[:5])
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        notes.append(f"files the recorded run read have changed since the recording: {listed}{more}")
+    if ledger.get("overflow"):
+        notes.append(f"the recording's file ledger was full: {ledger['overflow']} paths were not kept")
+    return install(root, ledger, keep), changed
