@@ -3,13 +3,18 @@
 ``nonfinite_origin(trace)``: the first (step, rank, collective) where a NaN/Inf appeared, and each
 rank's first non-finite event.
 
-Ordering of events inside a rank: steps, then micro-batches (``micro`` counts completed
-``backward()`` calls), then the collective's position in issue order (``seq``). Batches are drawn
-before anything else of their micro-batch; the parameters after step ``s`` come after every event
-of step ``s``. The loss of micro-batch ``k`` is computed after that micro-batch's forward and
-before its backward: it is placed just before the rank's first collective of micro-batch ``k``
-whose *input* is flagged (the backward of a bad loss feeds the reduce-scatter), and after the
-collectives whose outputs were flagged before that (a forward all-gather that brought NaNs in).
+Findings are ordered by when their data was produced. Inside a rank: steps, then micro-batches
+(``micro`` counts completed ``backward()`` calls), then the collectives in issue order (``seq``),
+a collective's inputs before its outputs. A micro-batch's batch comes before its collectives (the
+forward's all-gathers use it), and the parameters after step ``s`` come after every event of step
+``s``. The loss of micro-batch ``k`` is computed after that micro-batch's forward and before its
+backward. The trace does not time it, so it is placed by what it can feed: just before the first
+collective of micro-batch ``k`` that *reduces* (reduce-scatter, reduce, all-reduce) a flagged input
+(the backward of a bad loss feeds the gradients' reduction), and after every other collective of
+the micro-batch. An all-gather's flagged input (FSDP's parameter shards) or output in the forward
+is therefore named before the loss it made non-finite. A forward that itself reduces a flagged
+tensor (tensor parallelism's all-reduce) is the one case this order gets wrong: the loss is then
+named first.
 """
 
 from __future__ import annotations
@@ -28,8 +33,13 @@ from fsdp_replay.analysis.columns import (
     param_name,
     pg_names,
 )
+from fsdp_replay.trace.ops import ALL_GATHER, ALL_REDUCE, OPS, REDUCE, REDUCE_SCATTER
+from fsdp_replay.trace.ops import info as op_info
 from fsdp_replay.trace.reader import RankTrace, Trace
 from fsdp_replay.trace.schema import ROLE_INPUT, ROLE_NAMES
+
+# ops whose output reduces their inputs: the backward's gradient reductions (what a bad loss feeds)
+_REDUCING_OPS = frozenset(op.name for op in OPS if op.family in (REDUCE_SCATTER, REDUCE, ALL_REDUCE))
 
 _KIND_ORDER = {
     "batch": 0,
@@ -46,6 +56,7 @@ def _first_nonfinite(r: RankTrace, pgn: dict[int, str]) -> tuple[tuple[float, ..
     cands: list[tuple[tuple[float, ...], dict[str, Any]]] = []
     co = issue_order(r)
     t = r.tensors
+    reducing = np.array([n in _REDUCING_OPS for n in ops] + [False])  # op code -> reduces (-1: no)
     coll_ev: dict[str, Any] | None = None
     in_pos = np.zeros(0, dtype=np.int64)  # positions of collectives with a flagged input
     if len(co) and len(t):
@@ -85,9 +96,10 @@ def _first_nonfinite(r: RankTrace, pgn: dict[int, str]) -> tuple[tuple[float, ..
             starts, counts = st["loss_start"], st["loss_count"]
             srow = int(np.flatnonzero((starts <= li) & (li < starts + counts))[0])
             s, m = int(st["step"][srow]), li - int(starts[srow])
-            # just before the first collective of that micro-batch with a flagged input, or
-            # after all of its collectives
+            # after the forward: just before the first collective of that micro-batch that
+            # reduces a flagged input (its backward's gradients), or after all of its collectives
             here = in_pos[(co.step[in_pos] == s) & (co.micro[in_pos] == m)]
+            here = here[reducing[co.op[here]]]
             if here.size:
                 rel = float(co.rel[int(here.min())]) - 0.5
             else:
@@ -154,7 +166,55 @@ def describe_nonfinite(ev: dict[str, Any]) -> str:
         )
     if kind == "batch":
         return f"non-finite batch tensor {ev['tensor_index']} at {where}"
-    return f"non-finite {ev['role']} {ev['tensor_index']} of {ev['op']} (seq {ev['seq']}, pg {ev['pg']}) at {where}"
+    tensor = f"{ev['role']} {ev['tensor_index']}"
+    if ev.get("dtype") is not None and ev.get("shape") is not None:
+        tensor += f" ({ev['dtype']} {list(ev['shape'])})"
+    return f"non-finite {tensor} of {ev['op']} (seq {ev['seq']}, process group {ev['pg']}) at {where}"
+
+
+def _params_finite_after(r: RankTrace, step: int) -> bool | None:
+    """Whether every parameter the rank recorded after step ``step`` was finite; None when that
+    step's parameters are not in the trace."""
+    st = r.steps
+    rows = np.flatnonzero(st["step"] == step) if step >= 0 and len(st) else np.zeros(0, dtype=np.int64)
+    if not rows.size:
+        return None
+    row = int(rows[-1])
+    start, count = int(st["param_start"][row]), int(st["param_count"][row])
+    if not count:
+        return None
+    return not bool(r.table("step_params")["nonfinite"][start : start + count].any())
+
+
+def _cause(ev: dict[str, Any], rank: int, r: RankTrace) -> str:
+    kind = ev["kind"]
+    if kind == "collective output":
+        return (
+            f"every rank's inputs to {ev['op']} were finite: the collective's result itself is not "
+            "(an overflowing reduction, or a NaN the flag cannot see in the inputs' sum)"
+        )
+    if kind == "collective input":
+        cause = (
+            f"rank {rank} fed a non-finite {ev['role']} into {ev['op']} (process group {ev['pg']}); "
+            "the other ranks received it"
+        )
+        op = op_info(str(ev["op"]))
+        step = int(ev["step"])
+        if op is not None and op.family == ALL_GATHER and _params_finite_after(r, step - 1):
+            cause += (
+                f"; its parameters were all finite after step {step - 1}: if this input is its "
+                "parameter shard (FSDP's all-gathers), the shard became non-finite after that "
+                "optimizer step, outside the optimizer"
+            )
+        return cause
+    if kind == "loss":
+        return (
+            f"rank {rank}'s own forward pass produced a non-finite loss "
+            "(its batch and the collectives before it were finite)"
+        )
+    if kind == "batch":
+        return f"rank {rank} drew a batch that already held non-finite values"
+    return f"rank {rank}'s optimizer step produced non-finite parameters from finite gradients"
 
 
 def nonfinite_origin(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any] | None:
@@ -184,19 +244,7 @@ def nonfinite_origin(trace: Trace, ranks: list[int] | None = None) -> dict[str, 
     co = [rk for key, rk, _ in hits if key == key0 and rk != rank0]
     step0 = int(ev0["step"])
     affected = [rk for rk, r in rts.items() if step0 in _nonfinite_steps(r)]
-    if ev0["kind"] == "collective output":
-        cause = (
-            f"every rank's inputs to {ev0['op']} were finite: the collective's result itself is not "
-            "(an overflowing reduction, or a NaN the flag cannot see in the inputs' sum)"
-        )
-    elif ev0["kind"] == "collective input":
-        cause = f"rank {rank0} fed a non-finite tensor into {ev0['op']}; the other ranks received it"
-    elif ev0["kind"] == "loss":
-        cause = f"rank {rank0}'s own forward pass produced a non-finite loss (its inputs were finite)"
-    elif ev0["kind"] == "batch":
-        cause = f"rank {rank0} drew a batch that already held non-finite values"
-    else:
-        cause = f"rank {rank0}'s optimizer step produced non-finite parameters from finite gradients"
+    cause = _cause(ev0, rank0, rts[rank0])
     msg = f"first non-finite value: rank {rank0}, {describe_nonfinite(ev0)}"
     if co:
         msg += f" (ranks {co} at the same point)"

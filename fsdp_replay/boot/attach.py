@@ -3,6 +3,11 @@
 Importing torch ourselves at interpreter start would cost every Python process started with the
 agent's environment (torchrun's launcher, helper scripts) a second or more, so instead a one-shot
 import hook waits for the program's own ``import torch`` and attaches right after it.
+
+In record mode each process that attaches first leaves a small marker in the run folder
+(``mark_attached``): a rank's spool starts only with its first record, so a job that dies before
+that (a bad rendezvous address, an error right after ``import torch``) would otherwise leave no
+sign that its processes ever ran with the agent.
 """
 
 from __future__ import annotations
@@ -126,10 +131,48 @@ def activate() -> None:
         sys.meta_path.insert(0, _AfterImport("torch", on_torch))
 
 
+def mark_attached(out: str, error: str | None = None) -> None:
+    """Write this process's attach marker (``RUN/spool/attached/<pid>-<host>.json``, atomically):
+    its pid, host, redacted argv, the ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` it was given (None where
+    unset), the time, and ``error`` when the agent failed to attach. Never raises: a marker that
+    cannot be written costs only ``record``'s explanation of a run that recorded nothing."""
+    try:
+        import json
+        import platform
+        import time
+
+        from fsdp_replay.trace.layout import atomic_write, attached_marker
+        from fsdp_replay.trace.redact import redact_argv
+
+        def env_int(name: str) -> int | str | None:
+            v = os.environ.get(name)
+            return int(v) if v is not None and v.strip().isdigit() else v
+
+        host = platform.node()
+        path = attached_marker(out, os.getpid(), host)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc: dict[str, Any] = {
+            "pid": os.getpid(),
+            "host": host,
+            "argv": redact_argv(sys.argv),
+            "rank": env_int("RANK"),
+            "local_rank": env_int("LOCAL_RANK"),
+            "world_size": env_int("WORLD_SIZE"),
+            "time": time.time(),
+        }
+        if error is not None:
+            doc["error"] = error
+        atomic_write(path, json.dumps(doc) + "\n")
+    except Exception as e:  # recording must never stop the program
+        log.debug("fsdp-replay: could not write the attach marker: %r", e)
+
+
 def attach(config: Any) -> Any:
     """Install the agent for ``config.mode``; returns it (or None after a logged failure)."""
     if "agent" in _state:
         return _state["agent"]
+    if config.mode == "record":
+        mark_attached(str(config.out))
     try:
         if config.mode == "record":
             import atexit
@@ -147,6 +190,7 @@ def attach(config: Any) -> Any:
             return agent
     except Exception as e:
         log.warning("fsdp-replay: agent failed to attach, the program runs unrecorded: %r", e)
+        mark_attached(str(config.out), error=repr(e))
         return None
     if config.mode == "replay":
         if config.live and "RANK" not in os.environ:

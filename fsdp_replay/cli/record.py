@@ -14,8 +14,8 @@ from fsdp_replay import __version__
 from fsdp_replay.cli.render import print_collect
 from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError
 from fsdp_replay.options import env_option
-from fsdp_replay.trace import schema
-from fsdp_replay.trace.layout import RUN_JSON, atomic_write
+from fsdp_replay.trace import schema, spool
+from fsdp_replay.trace.layout import ATTACHED_DIR, RUN_JSON, atomic_write, attached_dir
 
 
 def _wants_cxx_kernel(args: argparse.Namespace) -> bool:
@@ -54,8 +54,10 @@ def cmd_record(args: argparse.Namespace) -> int:
         )
     out = Path(args.out or f"fsdp-replay-runs/{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     spool_dir = out / schema.SPOOL_DIR
-    if spool_dir.exists() and any(spool_dir.iterdir()):
+    if spool_dir.exists() and any(p.name != ATTACHED_DIR for p in spool_dir.iterdir()):
         raise ConfigError(f"{out} already holds a recording; choose another --out (runs are never mixed)")
+    # a run that recorded nothing there before left only its processes' attach markers: not theirs now
+    shutil.rmtree(attached_dir(out), ignore_errors=True)
     config = RecordConfig(
         out=str(out),
         payloads=StepSet.parse(args.payloads),
@@ -80,12 +82,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     _write_run(out, run)
     if args.no_collect:
         return code
-    if not spool_dir.exists():
-        print(
-            f"fsdp-replay: the command recorded nothing (exit code {code}): no Python process of it "
-            "imported torch with the agent enabled",
-            file=sys.stderr,
-        )
+    if not spool.spool_ranks(spool_dir):
+        print(f"fsdp-replay: {nothing_recorded(out, code)}", file=sys.stderr)
         return code if code else ExitCode.UNUSABLE
     try:
         report = collect_run(out, run)
@@ -112,6 +110,74 @@ def cmd_record(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def _attach_markers(out: Path) -> list[dict[str, Any]]:
+    """The attach markers the run's processes left (``boot/attach.mark_attached``); unreadable
+    ones (a process killed mid-write leaves only a ``.tmp``) are skipped."""
+    found = []
+    folder = attached_dir(out)
+    for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            found.append(doc)
+    return found
+
+
+def _is_launcher(marker: dict[str, Any]) -> bool:
+    """torchrun's launcher (or ``python -m torch.distributed.run/launch``): it imports torch too,
+    and records nothing of its own."""
+    argv = marker.get("argv") or [""]
+    first = str(argv[0]).replace("\\", "/")
+    return first.rsplit("/", 1)[-1] == "torchrun" or first.endswith(
+        ("torch/distributed/run.py", "torch/distributed/launch.py")
+    )
+
+
+def nothing_recorded(out: Path, code: int | None, *, output_above: bool = True) -> str:
+    """Why run folder ``out`` holds no rank spool, from its processes' attach markers: how many
+    processes imported torch with the agent, their ranks, and the command's exit code ``code``."""
+    markers = _attach_markers(out)
+    exited = "" if code is None else f"the command exited with code {code}"
+    if exited and output_above:
+        exited += " (see its output above)"
+    if not markers:
+        return (
+            f"the command recorded nothing{f' (exit code {code})' if code is not None else ''}: "
+            "no Python process of it imported torch with the agent enabled"
+        )
+    programs = [m for m in markers if not _is_launcher(m)]
+    if not programs:
+        msg = (
+            "the command recorded nothing: only its launcher (torchrun) imported torch with the agent, "
+            "none of its workers"
+        )
+        return msg + (f"; {exited}" if exited else "")
+    ranked = [m for m in programs if isinstance(m.get("rank"), int)]
+    others = len(programs) - len(ranked)
+    ranks = sorted({int(m["rank"]) for m in ranked})
+
+    def processes(n: int) -> str:
+        return f"{n} process{'es' if n != 1 else ''}"
+
+    if ranked:
+        who = f"{processes(len(ranked))} imported torch with the agent (rank{'s' if len(ranks) != 1 else ''} "
+        who += ", ".join(map(str, ranks)) + ")"
+        if others:
+            who += f" and {processes(others)} without a RANK"
+    else:
+        who = f"{processes(others)} imported torch with the agent (no RANK set)"
+    none = (
+        "none reached its first collective" if len(programs) > 1 else "it never reached its first collective"
+    )
+    msg = f"the command recorded nothing: {who}, but {none}"
+    failed = [m for m in markers if m.get("error")]
+    if failed:
+        msg += f"; the agent failed to attach in {processes(len(failed))}: {failed[0]['error']}"
+    return msg + (f"; {exited}" if exited else "")
 
 
 def _write_run(out: Path, run: dict[str, Any]) -> None:
@@ -143,7 +209,17 @@ def collect_run(
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    report = collect_run(Path(args.run), strict=args.strict, trace=args.trace)
+    out = Path(args.run)
+    if not spool.spool_ranks(out / schema.SPOOL_DIR) and _attach_markers(out):
+        try:
+            run = json.loads((out / RUN_JSON).read_text())
+        except (OSError, ValueError):
+            run = None
+        code = run.get("exit_code") if isinstance(run, dict) else None
+        why = nothing_recorded(out, code if isinstance(code, int) else None, output_above=False)
+        print(f"fsdp-replay: nothing to collect in {out}: {why}", file=sys.stderr)
+        return ExitCode.UNUSABLE
+    report = collect_run(out, strict=args.strict, trace=args.trace)
     print_collect(report)
     return ExitCode.UNUSABLE if report.damaged else ExitCode.OK
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Final
 
 from fsdp_replay.errors import TraceFormatError
-from fsdp_replay.trace.schema import TRACE_DIR
+from fsdp_replay.trace.schema import SPOOL_DIR, TRACE_DIR
 
 RUN_JSON: Final = "run.json"
 REPORT_JSON: Final = "report.json"
@@ -24,6 +24,23 @@ REPLAYS_DIR: Final = "replays"
 RANK_REPORT_FMT: Final = "rank-{rank:05d}"
 # The collector's lock, beside the spool folder it reads (``RUN/spool.lock``).
 COLLECT_LOCK_SUFFIX: Final = ".lock"
+# What each process that imports torch with the agent recording leaves at attach, before its rank
+# is known (its rank spool starts with its first record): ``RUN/spool/attached/<pid>-<host>.json``.
+# Not a rank spool: the collector and the sidecar read only ``rank-NNNNN`` folders.
+ATTACHED_DIR: Final = "attached"
+ATTACHED_FMT: Final = "{pid}-{host}.json"
+
+
+def attached_dir(run: str | os.PathLike[str]) -> Path:
+    """The folder of the attach markers of run folder ``run``."""
+    return Path(run) / SPOOL_DIR / ATTACHED_DIR
+
+
+def attached_marker(run: str | os.PathLike[str], pid: int, host: str) -> Path:
+    """The attach marker of process ``pid`` on ``host`` (the host name reduced to a file name's
+    characters: several hosts may share one run folder)."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in host) or "host"
+    return attached_dir(run) / ATTACHED_FMT.format(pid=pid, host=safe)
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:

@@ -26,6 +26,7 @@ from fsdp_replay.trace.reader import Trace
 # Small enough to start fast; gradient accumulation stays at the example's 2 micro-batches.
 SMALL = ("--steps", "6", "--layers", "2", "--d-model", "64", "--seq-len", "32")
 NO_PAYLOADS = ("--payloads", "none")
+NAN_SHARD = REPO / "tests" / "workloads" / "nan_shard.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -149,6 +150,46 @@ def test_nan_origin_is_the_poisoned_rank(tmp_path: Path, capsys: pytest.CaptureF
     assert code == 1
     data = json.loads(out)
     assert data["found"] and data["origin"]["rank"] == 1 and data["origin"]["value"] == "NaN"
+
+
+@pytest.mark.slow
+def test_nan_origin_is_a_poisoned_parameter_shard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 0's shard of the first layer's weight made NaN before step 2 (issue #11): the first
+    non-finite value is rank 0's input to that layer's forward all-gather, not the loss after it."""
+    run_dir, _ = record(
+        tmp_path,
+        2,
+        "--nan-at-step",
+        "2",
+        "--nan-rank",
+        "0",
+        record_args=NO_PAYLOADS,
+        script=(str(NAN_SHARD),),
+    )
+    trace = open_trace(run_dir)
+    origin = nonfinite_origin(trace)
+    assert origin is not None
+    assert (origin["rank"], origin["step"], origin["micro"]) == (0, 2, 0), origin
+    assert origin["kind"] == "collective input" and origin["role"] == "input"
+    assert origin["op"] == "_allgather_base_" and origin["tensor_index"] == 0
+    # the step's first collective: the first layer's forward all-gather (0.weight + 0.bias shards)
+    colls = trace.rank(0).collectives
+    first_seq = int(colls["seq"][colls["step"] == 2].min())
+    assert origin["seq"] == first_seq
+    assert origin["dtype"] == "float32" and origin["shape"] == [8 * 8 + 8]  # rank 0's half of [16, 8] + [16]
+    assert origin["co_origins"] == [] and origin["ranks_affected"] == [0, 1]
+    first = {row["rank"]: row["event"] for row in origin["per_rank"]}
+    # rank 1 received it in the same all-gather's output
+    assert first[1]["kind"] == "collective output" and first[1]["seq"] == first_seq
+    assert "loss" not in origin["message"]
+    assert "after step 1" in origin["cause"]
+    code, out = cli(capsys, "nan", str(run_dir))
+    assert code == 1
+    assert (
+        f"rank 0, non-finite input 0 (float32 [72]) of _allgather_base_ (seq {first_seq}, "
+        f"process group {origin['pg']}) at step 2 micro-batch 0" in out
+    ), out
+    assert "non-finite loss" not in out.split("first non-finite event per rank")[0]
 
 
 def _assert_rank1_skipped_the_loss_allreduce(rep: dict[str, Any], at_step: int) -> None:

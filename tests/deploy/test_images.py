@@ -440,7 +440,8 @@ def test_payload_from_python_3_13_records_on_the_hosts_python_3_11(images: Image
     )  # fmt: skip
     assert train.returncode == 0, train.stderr[-4000:]
     assert "agent not started" not in train.stderr, train.stderr[-4000:]
-    assert sorted(p.name for p in (run / "spool").iterdir()) == ["rank-00000", "rank-00001"]
+    # beside the rank spools: the attach markers (RUN/spool/attached/), one per process with the agent
+    assert sorted(p.name for p in (run / "spool").iterdir()) == ["attached", "rank-00000", "rank-00001"]
     cli = [str(BIN / "fsdp-replay")]
     collected = subprocess.run(
         [*cli, "collect", str(run)], env=_clean_env(), capture_output=True, text=True, timeout=300, cwd=REPO

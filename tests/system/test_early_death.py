@@ -1,0 +1,126 @@
+"""A job that dies before its first collective: ``record`` and ``collect`` say what happened.
+
+A rank's spool starts with its first record, so a job whose ranks die in ``init_process_group`` (a
+wrong MASTER_ADDR) or right after ``import torch`` leaves no spool. Each process that imports torch
+with the agent leaves an attach marker (``RUN/spool/attached/``) instead, and ``record`` counts
+them: it must not claim that no process imported torch with the agent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from harness import CLI, REPO, child_env, run, torchrun_cmd
+
+from fsdp_replay.boot.attach import mark_attached
+from fsdp_replay.trace import schema, spool
+from fsdp_replay.trace.layout import ATTACHED_DIR, attached_dir
+
+OLD_MESSAGE = "no Python process of it imported torch with the agent enabled"
+TOKEN = "hf_" + "xQ7bN2kLmP9vR4sT1wY6zA3cD8eF5gHjK"  # split: secret scanners
+TINY = REPO / "tests" / "workloads" / "tiny_train.py"
+
+RAISE_AFTER_IMPORT = """
+import sys
+import torch
+raise SystemExit("the program gave up right after import torch")
+"""
+
+BAD_MASTER_ADDR = """
+import datetime, os
+import torch
+import torch.distributed as dist
+os.environ["MASTER_ADDR"] = "no-such-host.invalid"  # never resolves: the rendezvous fails
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+"""
+
+
+def _record(tmp_path: Path, body: str, *args: str) -> tuple[Path, str, int]:
+    script = tmp_path / "train.py"
+    script.write_text(body)
+    out = tmp_path / "run"
+    proc = run(
+        [*CLI, "record", "--out", str(out), "--", *torchrun_cmd(2, script, *args)], check=False, timeout=120
+    )
+    return out, proc.stderr, proc.returncode
+
+
+def _markers(out: Path) -> list[dict[str, object]]:
+    return [json.loads(p.read_text()) for p in sorted(attached_dir(out).glob("*.json"))]
+
+
+def _assert_both_ranks_reported(out: Path, stderr: str, code: int) -> None:
+    assert code == 1, stderr[-3000:]  # torchrun's own exit code, as always
+    assert OLD_MESSAGE not in stderr, stderr[-3000:]
+    want = (
+        "the command recorded nothing: 2 processes imported torch with the agent (ranks 0, 1), but none "
+        "reached its first collective; the command exited with code 1 (see its output above)"
+    )
+    assert want in stderr, stderr[-3000:]
+    assert spool.spool_ranks(out / schema.SPOOL_DIR) == {}
+    ranks = sorted(m["rank"] for m in _markers(out) if m["rank"] is not None)  # type: ignore[type-var]
+    assert ranks == [0, 1]
+    # `collect` says the same, with the exit code from run.json, and exits 3
+    again = run([*CLI, "collect", str(out)], check=False, timeout=60)
+    assert again.returncode == 3, again.stderr
+    assert "2 processes imported torch with the agent (ranks 0, 1), but none reached" in again.stderr
+    assert "the command exited with code 1" in again.stderr and "no rank spools found" not in again.stderr
+
+
+@pytest.mark.slow
+def test_ranks_that_raise_right_after_import_torch(tmp_path: Path) -> None:
+    out, stderr, code = _record(tmp_path, RAISE_AFTER_IMPORT, "--hub-token", TOKEN)
+    assert "gave up right after import torch" in stderr  # the program's own output is kept
+    _assert_both_ranks_reported(out, stderr, code)
+    for m in _markers(out):
+        # each marker: its pid, host, argv (redacted like the trace's), RANK/LOCAL_RANK, time
+        assert set(m) >= {"pid", "host", "argv", "rank", "local_rank", "world_size", "time"}
+        assert TOKEN not in json.dumps(m)
+        if m["rank"] is not None:
+            assert m["argv"] == [str(tmp_path / "train.py"), "--hub-token", schema.REDACTED]
+            assert m["local_rank"] == m["rank"] and m["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_ranks_whose_rendezvous_fails(tmp_path: Path) -> None:
+    out, stderr, code = _record(tmp_path, BAD_MASTER_ADDR)
+    assert "no-such-host.invalid" in stderr  # torch's own error, from both ranks
+    _assert_both_ranks_reported(out, stderr, code)
+
+
+@pytest.mark.slow
+def test_markers_beside_rank_spools_are_not_spools(tmp_path: Path) -> None:
+    """A run that records: its markers stay beside the rank spools and are never taken for one
+    (no damage, no extra rank), and a later `record --out` of the same folder is still refused."""
+    out = tmp_path / "run"
+    run([*CLI, "record", "--out", str(out), "--no-collect", "--", *torchrun_cmd(2, TINY, "--steps", "2")])
+    spool_root = out / schema.SPOOL_DIR
+    assert sorted(p.name for p in spool_root.iterdir()) == [ATTACHED_DIR, "rank-00000", "rank-00001"]
+    assert sorted(m["rank"] for m in _markers(out) if m["rank"] is not None) == [0, 1]  # type: ignore[type-var]
+    done = run([*CLI, "collect", str(out)], check=False)
+    assert done.returncode == 0, done.stderr
+    assert "damage" not in done.stdout + done.stderr
+    meta = json.loads((out / schema.TRACE_DIR / "zarr.json").read_text())["attributes"][schema.ROOT_ATTR]
+    assert meta["ranks"] == [0, 1]
+    again = run([*CLI, "record", "--out", str(out), "--", "true"], check=False)
+    assert again.returncode == 2 and "already holds a recording" in again.stderr
+
+
+def test_a_marker_that_cannot_be_written_never_raises(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    mark_attached(str(blocker))  # RUN is a file: nothing written, nothing raised
+    mark_attached(str(tmp_path / "ok"), error="RuntimeError('x')")
+    (marker,) = _markers(tmp_path / "ok")
+    assert marker["error"] == "RuntimeError('x')"
+
+
+def test_record_of_a_command_without_torch_keeps_the_old_message(tmp_path: Path) -> None:
+    proc = run(
+        [*CLI, "record", "--out", str(tmp_path / "run"), "--", "sh", "-c", "exit 0"],
+        check=False,
+        env=child_env(),
+    )
+    assert proc.returncode == 3 and OLD_MESSAGE in proc.stderr
