@@ -13,6 +13,7 @@ A guard turns any exception of ours into ``recorder.fail`` and lets the program'
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,21 @@ from fsdp_replay.agent import objects
 from fsdp_replay.agent.collectives import CollectiveInterceptor, Handler
 from fsdp_replay.agent.cxx.kernel import DRAIN_AT
 from fsdp_replay.agent.tape import agent_work
+
+
+def _state_init_step() -> bool:
+    """Whether this optimizer step is torch's own, made to create an optimizer's state (DCP's
+    ``get_state_dict``/``set_state_dict`` step a new optimizer once with zero gradients): not a
+    training step. The program's steps are its own; one frame walk per step."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "_init_optim_state" and "checkpoint" in code.co_filename:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 class Guarded:
@@ -78,8 +94,12 @@ class Hooks:
         if detach is not None:
             self._undo.append(detach)
 
-        begin = Guarded(owner, "optimizer step pre-hook")(lambda opt, _a, _k: owner.on_step_begin(opt))
-        end = Guarded(owner, "optimizer step post-hook")(lambda opt, _a, _k: owner.on_step_end(opt))
+        begin = Guarded(owner, "optimizer step pre-hook")(
+            lambda opt, _a, _k: None if _state_init_step() else owner.on_step_begin(opt)
+        )
+        end = Guarded(owner, "optimizer step post-hook")(
+            lambda opt, _a, _k: None if _state_init_step() else owner.on_step_end(opt)
+        )
         for handle in (
             optim_module.register_optimizer_step_pre_hook(begin),
             optim_module.register_optimizer_step_post_hook(end),

@@ -34,6 +34,7 @@ from fsdp_replay.agent.batches import BatchRecorder
 from fsdp_replay.agent.config import Fault, RecordConfig
 from fsdp_replay.agent.counters import AgentState, counters
 from fsdp_replay.agent.cxx.bridge import KernelBridge
+from fsdp_replay.agent.entropy import EntropyRecorder
 from fsdp_replay.agent.files import FileLedger
 from fsdp_replay.agent.fingerprint import fingerprint_many, host_values, native
 from fsdp_replay.agent.process_groups import ProcessGroups
@@ -93,6 +94,8 @@ class Recorder:
         self.tap: Any = None
         self.files = FileLedger(lambda: not self.finished, config.out)
         self.files.install()
+        self.entropy = EntropyRecorder(lambda: not self.finished)
+        self.entropy.install()
         if not config.module_fingerprints.empty:
             from fsdp_replay.agent.modules import ModuleTap
 
@@ -302,9 +305,13 @@ class Recorder:
         w.close()
 
     def _write_files(self, w: Any) -> None:
+        """The file ledger's and the OS randomness's news (``files.py``, ``entropy.py``)."""
         new = self.files.take()
         if new is not None:
             w.event({"type": schema.EV_FILES, **new})
+        drawn = self.entropy.take()
+        if drawn is not None:
+            w.event({"type": schema.EV_URANDOM, **drawn})
 
     # -- steps --------------------------------------------------------------------------------
     def on_step_begin(self, opt: torch.optim.Optimizer) -> None:

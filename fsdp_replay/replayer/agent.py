@@ -25,6 +25,7 @@ import torch
 
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import CollectiveCall, wait_result
+from fsdp_replay.agent.entropy import EntropyReplay
 from fsdp_replay.agent.hooks import Hooks
 from fsdp_replay.agent.tape import OpTape
 from fsdp_replay.errors import ExitCode, FsdpReplayError, TraceIncompleteError
@@ -166,13 +167,15 @@ class Replayer:
                 f"{torch.__version__} (kernels differ between versions; pass --force to replay anyway)"
             )
         restore.restore_rng(self.rec, -1, "process start", self.notes)
+        EntropyReplay(self.rec.attrs.get("urandom") or {}, self.notes).install()
         here = Path(self.config.report) / (RANK_REPORT_FMT.format(rank=self.rank) if self.live else "")
         local_trace = [self.config.trace] if "://" not in self.config.trace else []
         self.files, self.changed_inputs = overlay.isolate(
             self.rec.attrs.get("files") or {}, here / "files", [self.config.report, *local_trace], self.notes
         )
         if not self.live:
-            redirect_to_fake_pg(self.world, self.rank, self.refuse)
+            backends = {str(g.get("name")): str(g.get("backend")) for g in self.rec.process_groups.values()}
+            redirect_to_fake_pg(self.world, self.rank, self.refuse, backends)
             self.rec.start_prefetch()
 
     def refuse(self, why: str) -> None:

@@ -17,12 +17,19 @@ import torch
 import torch.distributed as dist
 
 
-def redirect_to_fake_pg(replay_world: int, replay_rank: int, refuse: Callable[[str], None]) -> None:
+def redirect_to_fake_pg(
+    replay_world: int, replay_rank: int, refuse: Callable[[str], None], backends: dict[str, str] | None = None
+) -> None:
+    """``backends``: the recorded backend of each group, by group name: ``get_backend`` answers
+    with it (frameworks choose how to reduce by it: Lightning divides after a gloo SUM)."""
     import torch.distributed.distributed_c10d as c10d
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     original_init = c10d.init_process_group
     original_new_group = c10d.new_group
+    original_get_backend = c10d.get_backend
+    recorded = dict(backends or {})
+    asked: list[str] = []
 
     def init_process_group(
         backend: Any = None,
@@ -39,6 +46,8 @@ def redirect_to_fake_pg(replay_world: int, replay_rank: int, refuse: Callable[[s
             refuse(f"the program asks for world size {ws}; the trace was recorded with {replay_world}")
         if rk != replay_rank:
             refuse(f"the program asks for rank {rk}; this replay plays rank {replay_rank}")
+        if backend is not None:
+            asked.append(str(backend))
         kwargs.pop("device_id", None)  # no eager communicator: there is nothing to connect to
         kwargs.pop("pg_options", None)
         args: dict[str, Any] = {
@@ -58,9 +67,21 @@ def redirect_to_fake_pg(replay_world: int, replay_rank: int, refuse: Callable[[s
             args = (*args[:2], None, *args[3:])
         return original_new_group(*args, **kwargs)
 
+    def get_backend(group: Any = None) -> Any:
+        real = original_get_backend(group)
+        if str(real) != "fake":
+            return real
+        pg = group if group is not None else c10d._get_default_group()
+        name = getattr(pg, "group_name", None)
+        found = (
+            recorded.get(str(name)) or next(iter(recorded.values()), None) or (asked[0] if asked else None)
+        )
+        return dist.Backend(found) if found else real
+
     for mod in (dist, c10d):
         setattr(mod, "init_process_group", init_process_group)  # noqa: B010
         setattr(mod, "new_group", new_group)  # noqa: B010
+        setattr(mod, "get_backend", get_backend)  # noqa: B010
 
 
 def completed_work(result: Any) -> Any:

@@ -120,6 +120,11 @@ def check_call(
         problem = pg_problem(rec, call, exp)
         if problem:
             return Finding(Divergence(kind="process_group", **base, detail=problem), stop=True)
+        if exp.reduce_op and call.reduce_op and exp.reduce_op != call.reduce_op:
+            d = Divergence(
+                kind="op", **base, detail=f"replay reduces with {call.reduce_op}; recorded {exp.reduce_op}"
+            )
+            return Finding(d, stop=True, feeding=True)
         if is_object_collective(exp):  # the pickled bytes are not compared, what they stand for is
             return _check_objects(call, exp, base)
     elif is_object_collective(exp):

@@ -26,6 +26,7 @@ EV_STUCK: Final = "stuck"
 EV_ALIVE: Final = "alive"
 EV_KERNEL_OP: Final = "kop"
 EV_FILES: Final = "files"
+EV_URANDOM: Final = "urandom"
 EV_END: Final = "end"
 
 
@@ -186,6 +187,16 @@ class Files(TypedDict):
     """Paths not kept beyond the ledger's bound (``agent/files.py``)."""
 
 
+class Urandom(TypedDict):
+    """What ``os.urandom`` returned to the program since the last ``urandom`` event."""
+
+    type: str
+    calls: list[list[Any]]
+    """``[n, hex]`` per call, in order."""
+    overflow: int
+    """Calls not kept beyond the bounds (``agent/entropy.py``)."""
+
+
 class Drop(TypedDict):
     type: str
     what: str
@@ -249,6 +260,7 @@ EVENT_TYPES: Final[dict[str, Any]] = {
     EV_AGENT_ERROR: AgentError,
     EV_DROP: Drop,
     EV_FILES: Files,
+    EV_URANDOM: Urandom,
     EV_STUCK: Stuck,
     EV_ALIVE: Alive,
     EV_KERNEL_OP: KernelOp,

@@ -82,6 +82,7 @@ class RankBuilder:
             "rank_start": None,
             "process_groups": [],
             "files": {"read": [], "written": [], "overflow": 0},
+            "urandom": {"calls": [], "overflow": 0},
             "snapshots": [],
             "modules": [],
             "end": None,
@@ -206,6 +207,11 @@ class RankBuilder:
         files["read"].extend(ev["read"])
         files["written"].extend(ev["written"])
         files["overflow"] = max(files["overflow"], int(ev["overflow"]))
+
+    def _ev_urandom(self, ev: dict[str, Any]) -> None:
+        drawn = self.attrs["urandom"]
+        drawn["calls"].extend(ev["calls"])
+        drawn["overflow"] = max(drawn["overflow"], int(ev["overflow"]))
 
     def _ev_pg(self, ev: dict[str, Any]) -> None:
         self.attrs["process_groups"].append({k: v for k, v in ev.items() if k != "type"})

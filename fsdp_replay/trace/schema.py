@@ -67,6 +67,9 @@ from fsdp_replay.trace.events import (
     EV_STUCK as EV_STUCK,
 )
 from fsdp_replay.trace.events import (
+    EV_URANDOM as EV_URANDOM,
+)
+from fsdp_replay.trace.events import (
     EVENT_KEYS as EVENT_KEYS,
 )
 from fsdp_replay.trace.events import (

@@ -71,6 +71,7 @@ def test_event_keys_pinned() -> None:
         "alive": {"type", "seq", "step", "t_ns"},
         "kop": {"type", "seq", "step", "micro", "op", "tensors"},
         "files": {"type", "read", "written", "overflow"},
+        "urandom": {"type", "calls", "overflow"},
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
     }
     assert {k: set(v) for k, v in schema.EVENT_KEYS.items()} == expected
