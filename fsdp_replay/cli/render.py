@@ -167,8 +167,15 @@ def console() -> Console:
 
 
 def _console(**kwargs: Any) -> Console:
+    """rich's console; piped into a file or a CI log, as wide as a line needs (rich would cut every
+    table to 80 columns and wrap sentences there)."""
+    import os
+
     from rich.console import Console
 
+    if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
+        kwargs.setdefault("width", 1000)
+        kwargs.setdefault("soft_wrap", True)
     return Console(**kwargs)
 
 

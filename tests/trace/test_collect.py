@@ -627,3 +627,21 @@ def test_cli_inspect_bad_traces_exit_3(trace_copy: Built, tmp_path: Path) -> Non
         assert len(lines) == 1, proc.stderr
         assert lines[0].startswith("fsdp-replay: unusable trace: ") and what in lines[0]
         assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_cli_inspect_piped_keeps_every_column(trace: Built) -> None:
+    out, _, _ = trace
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS",) and not k.startswith("FSDP_REPLAY_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_replay", "inspect", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if "rank" in line and "steps" in line)
+    for column in ("collectives", "batches", "snapshots", "payloads (outputs)", "payload steps", "end"):
+        assert column in header, header  # piped into a file: not cut to 80 columns
+    cells = [line for line in proc.stdout.splitlines() if line.startswith(("│", "┃"))]
+    assert cells and not any("…" in line for line in cells), cells
