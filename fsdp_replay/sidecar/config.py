@@ -49,6 +49,10 @@ class SidecarConfig:
     """The run folder: the agents spool into ``OUT/spool/rank-NNNNN/seg-*.fsrs``."""
     store: str = ""
     """Trace store URL (``s3://bucket/prefix``) the collector uploads to; empty: ``OUT/trace.zarr``."""
+    collect_interval_s: float = 0.0
+    """Seconds between two collections of the trace into the store while trainers run (0: once, when they end)."""
+    keep_spools: bool = False
+    """Keep the spools after the store holds the trace whole (default: delete each rank's once it reads back whole)."""
     proc_root: str = "/proc"
     """Where the training processes' /proc entries are (another mount of the pod's or host's procfs)."""
     metrics_address: str = "0.0.0.0"
@@ -103,6 +107,10 @@ class SidecarConfig:
         if not (math.isfinite(self.poll_interval_s) and 0.01 <= self.poll_interval_s <= 3600):
             raise ConfigError(
                 f"{env_name('poll_interval_s')}={self.poll_interval_s}: give 0.01..3600 seconds"
+            )
+        if not (math.isfinite(self.collect_interval_s) and 0 <= self.collect_interval_s <= 86400):
+            raise ConfigError(
+                f"{env_name('collect_interval_s')}={self.collect_interval_s}: give 0..86400 seconds"
             )
         if not (math.isfinite(self.exit_quiet_s) and 0 <= self.exit_quiet_s <= 86400):
             raise ConfigError(f"{env_name('exit_quiet_s')}={self.exit_quiet_s}: give 0..86400 seconds")

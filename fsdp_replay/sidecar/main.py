@@ -43,6 +43,7 @@ from fsdp_replay.sidecar.metrics import SidecarCollector, SidecarState, make_reg
 from fsdp_replay.sidecar.ncclstats import NcclStats
 from fsdp_replay.sidecar.ranks import RankState
 from fsdp_replay.sidecar.server import MetricsServer
+from fsdp_replay.sidecar.ship import Shipper
 from fsdp_replay.trace import schema, spool
 from fsdp_replay.trace.follow import SpoolFollower
 
@@ -77,6 +78,15 @@ class Sidecar:
         self.discovery = Discovery(config.proc_root, library_pattern=nccl.LIBRARY_PATTERN)
         self.spool_root = Path(config.out) / schema.SPOOL_DIR
         self.followers: dict[int, SpoolFollower] = {}
+        self.shipper = Shipper(
+            config.out,
+            config.store,
+            interval_s=config.collect_interval_s,
+            keep_spools=config.keep_spools,
+            stats=self.state.ship,
+            lock=self.state.lock,
+            clock=clock,
+        )
         self.server: MetricsServer | None = None
         self.probe: Probe | None = None
         self._stop = threading.Event()
@@ -153,6 +163,7 @@ class Sidecar:
             self._follow(final=not self.discovery.processes)
             self._probe_state()
             self._log_summary()
+            self.shipper.ship(final=not self.discovery.processes)
         finally:
             if self.probe is not None:
                 self.probe.close()  # detaches every probe point (~0.1 s each on this kernel)
@@ -184,6 +195,8 @@ class Sidecar:
             self.state.processes.update(live)
         self._forget_exited(now)
         self._follow(final=False)
+        if live and self.shipper.due(now):
+            self.shipper.ship(final=False, now=now)
 
     def _track(self, proc: TrainingProcess) -> None:
         if self.probe is None:

@@ -28,6 +28,7 @@ from fsdp_replay.sidecar.ebpf.events import ProbeStats
 from fsdp_replay.sidecar.ncclstats import NcclStats
 from fsdp_replay.sidecar.processes import ProcessStats, Usage, own_usage
 from fsdp_replay.sidecar.ranks import DROP_REASONS, RankState
+from fsdp_replay.sidecar.ship import ShipStats
 
 PREFIX = "fsdp_replay_"
 NS_PER_S = 1e9
@@ -64,6 +65,8 @@ class SidecarState:
     unreadable_processes: int = 0
     loop_errors: int = 0
     """Polls of the daemon's loop that raised (logged once per distinct error)."""
+    ship: ShipStats = field(default_factory=ShipStats)
+    """The collection of the trace into the store (``ship.py``)."""
     started_s: float = field(default_factory=time.time)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -92,6 +95,7 @@ class SidecarCollector(Collector):
         with self.state.lock:
             families = [
                 *self._sidecar(),
+                *self._store(),
                 *self._agent(),
                 *self._spool(),
                 *self._ebpf(),
@@ -99,6 +103,35 @@ class SidecarCollector(Collector):
                 *self._trainers(),
             ]
         yield from families
+
+    # -- store --------------------------------------------------------------------------------
+    def _store(self) -> Iterable[Metric]:
+        s = self.state.ship
+        yield CounterMetricFamily(
+            _name("store", "collections"),
+            "Collections of the trace into the store that succeeded.",
+            value=s.collections,
+        )
+        yield CounterMetricFamily(
+            _name("store", "collection_failures"),
+            "Collections that failed (the store unreachable, the disk full): the spools were kept.",
+            value=s.failures,
+        )
+        yield GaugeMetricFamily(
+            _name("store", "last_collection_timestamp_seconds"),
+            "When the last successful collection ended (seconds since the epoch; 0: none yet).",
+            value=s.last_success_s,
+        )
+        yield GaugeMetricFamily(
+            _name("store", "last_collection_seconds"),
+            "How long the last successful collection took.",
+            value=s.last_seconds,
+        )
+        yield CounterMetricFamily(
+            _name("store", "spools_deleted"),
+            "Rank spools deleted after the store's copy read back whole.",
+            value=s.spools_deleted,
+        )
 
     # -- sidecar ------------------------------------------------------------------------------
     def _sidecar(self) -> Iterable[Metric]:

@@ -21,6 +21,8 @@ from fsdp_replay.sidecar.ebpf import programs
 EVERY_FIELD: dict[str, tuple[str, Any]] = {
     "out": ("/data/run-7", "/data/run-7"),
     "store": ("s3://bucket/prefix", "s3://bucket/prefix"),
+    "collect_interval_s": ("120", 120.0),
+    "keep_spools": ("1", True),
     "proc_root": ("/host/proc", "/host/proc"),
     "metrics_address": ("127.0.0.1", "127.0.0.1"),
     "metrics_port": ("9470", 9470),

@@ -1,0 +1,120 @@
+"""The sidecar ships the trace to object storage: a real S3-compatible server (moto's) on loopback.
+
+A 2-rank run is recorded with ``--no-collect`` (in a pod, the sidecar collects). The sidecar runs
+first while the store is down: the collection fails, is counted, and every spool is kept. With the
+store up, a second sidecar collects into ``s3://``, reads the trace back whole and deletes the
+spools; ``inspect`` and ``replay --rank 1`` then read the trace from the store (BIT-EXACT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_support import free_port, sidecar_cmd, sidecar_env, wait_for
+from harness import CLI, EXAMPLE, child_env, run, torchrun_cmd
+
+pytestmark = pytest.mark.slow
+BUCKET = "traces"
+SMALL = ("--steps", "3", "--layers", "2", "--d-model", "32", "--seq-len", "16")
+
+
+def _aws(port: int) -> dict[str, str]:
+    return {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
+@pytest.fixture
+def s3_port(tmp_path: Path) -> Iterator[int]:
+    pytest.importorskip("moto.server", reason="moto[server] (the test extras) runs the S3-compatible server")
+    pytest.importorskip("s3fs", reason="s3fs (the test extras) is fsspec's s3:// filesystem")
+    port = free_port()
+    yield port
+
+
+def _start_s3(port: int, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
+        )
+
+    def up() -> bool | None:
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).close()
+            return True
+        except OSError:
+            return None
+
+    wait_for("the S3 server", up, timeout=60)
+    import boto3
+
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", **_keys()).create_bucket(Bucket=BUCKET)
+    return proc
+
+
+def _keys() -> dict[str, str]:
+    return {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+
+
+def _sidecar(out: Path, store: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    cmd = sidecar_cmd(
+        out,
+        free_port(),
+        "--mode",
+        "container",
+        "--no-ebpf",
+        "--poll-interval-s",
+        "0.2",
+        "--exit-quiet-s",
+        "1",
+    )
+    return subprocess.run([*cmd, "--store", store], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_the_trace_reaches_s3_after_an_outage_and_replays_from_there(tmp_path: Path, s3_port: int) -> None:
+    out = tmp_path / "run"
+    command = torchrun_cmd(2, EXAMPLE, "--save-params", str(tmp_path / "params-{rank}.pt"), *SMALL)
+    run([*CLI, "record", "--out", str(out), "--no-collect", "--", *command], env=child_env())
+    spools = sorted(p.name for p in (out / "spool").glob("rank-*"))
+    assert spools == ["rank-00000", "rank-00001"]
+    url = f"s3://{BUCKET}/jobs/run1"
+    env = {**sidecar_env(), **_aws(s3_port)}
+
+    down = _sidecar(out, url, env)  # nothing listens on the store's port
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert f"collecting the trace into {url} failed (the spools are kept" in down.stderr, down.stderr[-3000:]
+    assert sorted(p.name for p in (out / "spool").glob("rank-*")) == spools
+
+    server = _start_s3(s3_port, tmp_path / "s3.log")
+    try:
+        up = _sidecar(out, url, env)
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert f"trace collected into {url} (2 ranks" in up.stderr, up.stderr[-3000:]
+        for rank in (0, 1):
+            assert f"rank {rank}: the store holds it whole; its spool is deleted" in up.stderr
+        assert not list((out / "spool").glob("rank-*"))
+        cli_env = {**child_env(), **_aws(s3_port)}
+        summary = json.loads(run([*CLI, "inspect", url, "--json"], env=cli_env).stdout)
+        assert [r["rank"] for r in summary["per_rank"]] == [0, 1]
+        assert all(r["steps"] == 3 for r in summary["per_rank"])
+        assert run([*CLI, "inspect", url, "--verify"], env=cli_env).returncode == 0
+        report = tmp_path / "replay-1"
+        proc = run([*CLI, "replay", url, "--rank", "1", "--report", str(report)], env=cli_env, check=False)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert json.loads((report / "report.json").read_text())["status"] == "bit-exact"
+        assert "rank 1: BIT-EXACT over steps 0..2" in proc.stdout
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert os.path.exists(tmp_path / "params-1.pt")
