@@ -93,6 +93,7 @@ class Sidecar:
         self._broken: set[int] = set()
         self._forget: list[tuple[float, TrainingProcess]] = []
         self._quiet: tuple[float, int] | None = None
+        self._hang_captured: frozenset[int] = frozenset()
         self._warned: set[str] = set()
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -195,7 +196,7 @@ class Sidecar:
             self.state.processes.update(live)
         self._forget_exited(now)
         self._follow(final=False)
-        if live and self.shipper.due(now):
+        if live and (self._hang_to_capture() or self.shipper.due(now)):
             self.shipper.ship(final=False, now=now)
 
     def _track(self, proc: TrainingProcess) -> None:
@@ -282,6 +283,23 @@ class Sidecar:
                 attached,
                 points,
             )
+
+    def _hang_to_capture(self) -> bool:
+        """Ranks newly stuck in a collective (their agents noted it): collect now, while the job
+        hangs, so that the store's trace holds where each rank waits (``fsdp-replay desync``)."""
+        with self.state.lock:
+            stuck = frozenset(
+                r for r, s in self.state.ranks.items() if s.stuck_seq is not None and not s.ended
+            )
+        if not stuck or stuck <= self._hang_captured:
+            self._hang_captured &= stuck
+            return False
+        self._hang_captured = stuck
+        log.warning(
+            "ranks %s are stuck in a collective: collecting the trace now, so that it holds the hang",
+            sorted(stuck),
+        )
+        return True
 
     # -- container mode -----------------------------------------------------------------------
     def trainers_done(self, now: float | None = None) -> bool:

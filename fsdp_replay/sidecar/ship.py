@@ -5,7 +5,11 @@
 prefix``). A collection rewrites each rank group whole and reuses the payload blobs the store
 already holds whole, so running it again, after a kill of the sidecar or a store outage,
 duplicates nothing. The daemon ships every ``collect_interval_s`` while trainers run (0: only at
-the end) and once more when they have ended.
+the end), at once when a rank newly reports being stuck in a collective (``main.py``: the
+store's trace then shows a hung, not yet killed, job to ``fsdp-replay desync``), and once more
+when they have ended. A collection rewrites each rank group in place: a reader that opens one
+meanwhile is told it is unfinished (exit 3) and reads it again after the collection
+(``fsdp_replay_store_last_collection_timestamp_seconds`` moves).
 
 A rank's spool is deleted only after its collection succeeded, its process ended cleanly, no
 damage was skipped, and the store's copy reads back whole (every column's length and digest, and

@@ -8,6 +8,7 @@ spools; ``inspect`` and ``replay --rank 1`` then read the trace from the store (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -118,3 +119,58 @@ def test_the_trace_reaches_s3_after_an_outage_and_replays_from_there(tmp_path: P
         server.terminate()
         server.wait(timeout=30)
     assert os.path.exists(tmp_path / "params-1.pt")
+
+
+def test_a_hung_job_is_collected_while_it_hangs_and_desync_reads_the_store(tmp_path: Path) -> None:
+    import signal
+
+    import psutil
+
+    out, store = tmp_path / "run", tmp_path / "store" / "trace.zarr"
+    hang = ("--steps", "6", "--skip-collective-at-step", "2", "--skip-rank", "1", "--pg-timeout", "600")
+    job = subprocess.Popen(
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(out),
+            "--no-collect",
+            "--payloads",
+            "none",
+            "--",
+            *torchrun_cmd(2, EXAMPLE, *SMALL[2:], *hang),
+        ],
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log = tmp_path / "sidecar.log"
+    with open(log, "w") as err:
+        cmd = sidecar_cmd(out, free_port(), "--no-ebpf", "--poll-interval-s", "0.3", "--store", str(store))
+        sidecar = subprocess.Popen(cmd, stderr=err, text=True, env=sidecar_env())
+    try:
+
+        def captured() -> bool | None:
+            # rank 0 waits in the all-reduce rank 1 skipped, then rank 1 in step 3's first collective:
+            # the collection after both are stuck holds where each waits
+            text = log.read_text()
+            at = text.find("ranks [0, 1] are stuck in a collective: collecting the trace now")
+            return (at >= 0 and f"trace collected into {store}" in text[at:]) or None
+
+        wait_for("the sidecar's collection at the hang", captured, timeout=180, every=0.5)
+        assert job.poll() is None  # the job still hangs: nothing was killed
+        report = run([*CLI, "desync", str(store), "--json"], check=False)
+        assert report.returncode == 1, report.stdout + report.stderr
+        doc = json.loads(report.stdout)
+        waits = {r["rank"]: r["in_flight"] for r in doc["ranks"]}
+        assert waits[0] is not None and waits[0]["op"] == "allreduce_", doc["ranks"]
+        assert list((out / "spool").glob("rank-*"))  # the job runs on: its spools are kept
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(job.pid).children(recursive=True):
+                p.kill()
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=60)
+        sidecar.wait(timeout=120)
