@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Work
 
+from fsdp_replay.agent.tape import agent_work
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.ops import FUNCTIONAL_NAMESPACE, FUNCTIONAL_OPS
 
@@ -274,7 +275,8 @@ class CollectiveInterceptor:
                 except Exception as e:  # never let our bookkeeping break the program's collective
                     on_error(f"collective {name}", e)
                     return call_real(*args, **kwargs)
-                return handler.run(call, real(args, kwargs))
+                with agent_work():  # what the handler computes is the agent's (tape, op fingerprints)
+                    return handler.run(call, real(args, kwargs))
 
         kernel.__name__ = f"fsdp_replay_{name}"
         return kernel

@@ -92,6 +92,9 @@ class RecordConfig:
     """Also store collective inputs (outputs alone suffice for replay)."""
     module_fingerprints: StepSet = field(default_factory=StepSet)
     """Steps whose module outputs and output gradients are fingerprinted (to localize divergences)."""
+    op_fingerprints: StepSet = field(default_factory=StepSet)
+    """Steps whose every op's inputs and outputs are fingerprinted (a dispatch mode: costly), so a
+    replay names the first op that computed another result from the same inputs."""
     snapshot_every: int = 0
     """Snapshot the rank's state every N steps (0: only at step 0)."""
     sync_steps: bool = True
@@ -135,6 +138,7 @@ class RecordConfig:
                 "payloads": _step_set,
                 "tape_payloads": _step_set,
                 "module_fingerprints": _step_set,
+                "op_fingerprints": _step_set,
                 "snapshot_every": _non_negative,
                 "reserve_bytes": _non_negative,
             },
@@ -149,6 +153,7 @@ class RecordConfig:
             ENV_PREFIX + "PAYLOADS": str(self.payloads),
             ENV_PREFIX + "PAYLOAD_INPUTS": "1" if self.payload_inputs else "0",
             ENV_PREFIX + "MODULE_FINGERPRINTS": str(self.module_fingerprints),
+            ENV_PREFIX + "OP_FINGERPRINTS": str(self.op_fingerprints),
             ENV_PREFIX + "SNAPSHOT_EVERY": str(self.snapshot_every),
             ENV_PREFIX + "SYNC_STEPS": "1" if self.sync_steps else "0",
             ENV_PREFIX + "MAX_PENDING_BYTES": str(self.max_pending_bytes),

@@ -37,6 +37,7 @@ from fsdp_replay.agent.cxx.bridge import KernelBridge
 from fsdp_replay.agent.entropy import EntropyRecorder
 from fsdp_replay.agent.files import FileLedger
 from fsdp_replay.agent.fingerprint import fingerprint_many, host_values, native
+from fsdp_replay.agent.op_tap import OpRecorder
 from fsdp_replay.agent.process_groups import ProcessGroups
 from fsdp_replay.agent.record_collective import CollectiveRecorder
 from fsdp_replay.agent.record_tape import TapeRecorder
@@ -96,6 +97,11 @@ class Recorder:
         self.files.install()
         self.entropy = EntropyRecorder(lambda: not self.finished)
         self.entropy.install()
+        self.ops: OpRecorder | None = None
+        if not config.op_fingerprints.empty:
+            self.ops = OpRecorder(
+                config.op_fingerprints, lambda: self.state.pos.step, self._ensure_started, self.fail
+            )
         if not config.module_fingerprints.empty:
             from fsdp_replay.agent.modules import ModuleTap
 
@@ -226,6 +232,7 @@ class Recorder:
                     "tape": self.tape is not None,
                     **({"tape_error": self.tape_error} if self.tape_error else {}),
                     "tape_ops": self.config.tape_ops,
+                    "op_fingerprints": str(self.config.op_fingerprints),
                     "tape_payloads": None
                     if self.config.tape_payloads is None
                     else str(self.config.tape_payloads),
@@ -346,6 +353,8 @@ class Recorder:
             }
         )
         self._write_files(w)
+        if self.ops is not None:
+            self.ops.at_step(st.pos.step + 1)
         if st.pos.step == 0:
             self.states.write_modules(w)
             if self.on_step_zero_done is not None:
@@ -416,6 +425,8 @@ class Recorder:
             self.roots.append(weakref.ref(module))
             if self.tap is not None:
                 self.tap.name_modules(module)
+            if self.ops is not None:
+                self.ops.tap.name_modules(module)
 
     def _tap_enabled(self) -> bool:
         return self.active() and self.state.pos.step in self.config.module_fingerprints

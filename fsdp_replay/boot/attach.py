@@ -185,6 +185,8 @@ def attach(config: Any) -> Any:
             hooks.install()
             agent.install_tape()
             agent.install_sigterm()
+            if agent.ops is not None:  # --op-fingerprints with step 0: the window opens now
+                agent.ops.at_step(0)
             atexit.register(agent.finish)
             _state.update(agent=agent, hooks=hooks)
             return agent

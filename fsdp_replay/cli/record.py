@@ -63,6 +63,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         payloads=StepSet.parse(args.payloads),
         payload_inputs=args.payload_inputs,
         module_fingerprints=StepSet.parse(args.module_fingerprints),
+        op_fingerprints=StepSet.parse(args.op_fingerprints),
         snapshot_every=args.snapshot_every,
         sync_steps=args.sync_steps,
         max_pending_bytes=args.max_pending_bytes,
@@ -249,6 +250,13 @@ def register(sub: Any) -> None:
         default=str(defaults.module_fingerprints),
         help="steps whose module outputs and gradients are fingerprinted, so a replay can name the module "
         "where a divergence starts: none, all, steps:SPEC",
+    )
+    env_option(
+        r,
+        "--op-fingerprints",
+        default=str(defaults.op_fingerprints),
+        help="steps whose every op's inputs and outputs are fingerprinted (slow: for a short window), so a "
+        "replay names the first op that computed another result from the same inputs: none, all, steps:SPEC",
     )
     env_option(
         r,

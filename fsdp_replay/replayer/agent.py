@@ -25,6 +25,7 @@ import torch
 
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import CollectiveCall, wait_result
+from fsdp_replay.agent.config import StepSet
 from fsdp_replay.agent.entropy import EntropyReplay
 from fsdp_replay.agent.hooks import Hooks
 from fsdp_replay.agent.tape import OpTape
@@ -34,6 +35,7 @@ from fsdp_replay.replayer.config import ReplayConfig
 from fsdp_replay.replayer.expected import RankRecord
 from fsdp_replay.replayer.fake_pg import completed_work, redirect_to_fake_pg
 from fsdp_replay.replayer.fsdp_frames import feeding_modules
+from fsdp_replay.replayer.op_check import OpCheck
 from fsdp_replay.replayer.report import Divergence, build_report
 from fsdp_replay.replayer.tape import ReplayTape, attach_tape
 from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
@@ -55,6 +57,7 @@ class Replayer:
         self.rank = int(os.environ.get("RANK", config.rank)) if self.live else config.rank
         self.notes: list[str] = []
         self.program_error: str | None = None  # an exception the program did not catch
+        self.ops: OpCheck | None = None
         self.trace = Trace.open(config.trace)
         self.rec = RankRecord(self.trace, self.rank)
         self.world = self.rec.world_size
@@ -143,6 +146,8 @@ class Replayer:
     def on_root_forward(self, module: torch.nn.Module) -> None:
         if self.tap is not None:
             self.tap.name_modules(module)
+        if self.ops is not None:
+            self.ops.tap.name_modules(module)
 
     def _tap_enabled(self) -> bool:
         return (
@@ -270,6 +275,8 @@ class Replayer:
         self.micro = 0
         self.step_colls = 0
         self.module_idx = 0
+        if self.ops is not None:
+            self.ops.at_step(self.step)
         if self.verifying() and self.step > self.restore_step:
             self._check_rng(self.step)
         if self.step == self.restore_step and self.restore_step > 0:
@@ -462,6 +469,12 @@ def attach_replay(config: ReplayConfig) -> Replayer:
     attach_tape(replayer)
     replayer.start()
     atexit.register(replayer.finish, "exit", EXIT_OK)
+    window = StepSet.parse(str((replayer.rec.meta.get("policy") or {}).get("op_fingerprints") or "none"))
+    if not window.empty:  # the recorded op-fingerprint window, checked op by op (op_check.py)
+        replayer.ops = OpCheck(
+            replayer.rec.ops, window, lambda: replayer.micro, replayer.verifying, replayer.fail
+        )
+        replayer.ops.at_step(0)
     chained = sys.excepthook
 
     def excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:

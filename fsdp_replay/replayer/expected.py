@@ -190,6 +190,18 @@ class RankRecord:
                         names["algo"][int(mt["algo"][i])],
                     )
                 )
+        self.ops: dict[int, list[tuple[str, str, int, int]]] = collections.defaultdict(list)
+        if rt.has_table("op_fps"):  # recorded with --op-fingerprints (format 3)
+            ot, mod_names = rt.table("op_fps"), rt.names("module")
+            for i in np.lexsort((ot["idx"], ot["step"])).tolist() if len(ot) else []:
+                self.ops[int(ot["step"][i])].append(
+                    (
+                        names["op"][int(ot["op"][i])],
+                        mod_names[int(ot["module"][i])],
+                        int(ot["in_fp"][i]),
+                        int(ot["out_fp"][i]),
+                    )
+                )
         self.tape = self._tape(rt, names, dims)
         self._cache: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self._cache_bytes = 0

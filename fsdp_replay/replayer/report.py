@@ -154,6 +154,21 @@ def render_text(report: dict[str, Any]) -> str:
             "with --no-tape: on CUDA some kernels (atomics) are not bit-reproducible, so a divergence inside "
             "compute may come from them"
         )
+    op = report.get("op_finding")
+    if op:
+        head = {
+            "op_result": "earliest op that differs",
+            "op_input": "earliest op whose inputs differ",
+            "op_sequence": "op check",
+        }.get(op["kind"], op["kind"])
+        module = f" in {op['module']}" if op.get("module") else ""
+        lines.append(
+            f"  {head}: {op['op']}{module}, op #{op['idx']} of step {op['step']} micro-step {op['micro']}: "
+            f"{op['detail']}"
+            + ("" if status == "diverged" else " (nothing the replay verifies depended on it)")
+        )
+    elif report.get("ops_checked"):
+        lines.append(f"  every op of the --op-fingerprints window matched ({report['ops_checked']} ops)")
     changed = (report.get("files") or {}).get("changed_inputs") or []
     if status == "diverged" and changed:
         c = changed[0]
@@ -216,6 +231,8 @@ def build_report(r: Any, status: str, reason: str) -> dict[str, Any]:
         "tape_matched": r.tape.matched if r.tape is not None else 0,
         "taped": r.tape is not None,
         "notes": r.notes,
+        "op_finding": r.ops.finding if getattr(r, "ops", None) is not None else None,
+        "ops_checked": r.ops.checked if getattr(r, "ops", None) is not None else 0,
         "files": {
             "changed_inputs": getattr(r, "changed_inputs", []),
             "written": list(r.files.writes[:100]) if getattr(r, "files", None) is not None else [],

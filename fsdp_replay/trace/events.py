@@ -27,6 +27,7 @@ EV_ALIVE: Final = "alive"
 EV_KERNEL_OP: Final = "kop"
 EV_FILES: Final = "files"
 EV_URANDOM: Final = "urandom"
+EV_OP_FP: Final = "aop"
 EV_END: Final = "end"
 
 
@@ -187,6 +188,21 @@ class Files(TypedDict):
     """Paths not kept beyond the ledger's bound (``agent/files.py``)."""
 
 
+class OpFp(TypedDict):
+    """One op of the ``--op-fingerprints`` window (``agent/op_tap.py``)."""
+
+    type: str
+    step: int
+    idx: int
+    """Its number among the window's ops of the step, from 0."""
+    name: str
+    """The overload: ``aten::mm``, ``aten::add_.Tensor``, ``my_ext::op``."""
+    module: str
+    """The module whose forward ran it ("" in backward and outside modules)."""
+    in_fp: int
+    out_fp: int
+
+
 class Urandom(TypedDict):
     """What ``os.urandom`` returned to the program since the last ``urandom`` event."""
 
@@ -261,6 +277,7 @@ EVENT_TYPES: Final[dict[str, Any]] = {
     EV_DROP: Drop,
     EV_FILES: Files,
     EV_URANDOM: Urandom,
+    EV_OP_FP: OpFp,
     EV_STUCK: Stuck,
     EV_ALIVE: Alive,
     EV_KERNEL_OP: KernelOp,

@@ -354,6 +354,19 @@ class RankBuilder:
         for k, v in values.items():
             m[k].append(v)
 
+    def _ev_aop(self, ev: dict[str, Any]) -> None:
+        m = self.cols["op_fps"]
+        values = {
+            "step": ev["step"],
+            "idx": ev["idx"],
+            "op": self.names["op"].code(ev["name"]),
+            "module": self.names["module"].code(ev["module"]),
+            "in_fp": int(ev["in_fp"]),
+            "out_fp": int(ev["out_fp"]),
+        }
+        for k, v in values.items():
+            m[k].append(v)
+
     def _ev_modules(self, ev: dict[str, Any]) -> None:
         self.attrs["modules"] = ev["modules"]
 

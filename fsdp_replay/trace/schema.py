@@ -49,6 +49,9 @@ from fsdp_replay.trace.events import (
     EV_MODULES as EV_MODULES,
 )
 from fsdp_replay.trace.events import (
+    EV_OP_FP as EV_OP_FP,
+)
+from fsdp_replay.trace.events import (
     EV_PROCESS_GROUP as EV_PROCESS_GROUP,
 )
 from fsdp_replay.trace.events import (
@@ -293,6 +296,14 @@ TABLES: dict[str, dict[str, str]] = {
         "fp": "uint64",
         "algo": "int16",
         "nonfinite": "bool",
+    },
+    "op_fps": {
+        "step": "int64",
+        "idx": "int64",
+        "op": "int16",
+        "module": "int32",
+        "in_fp": "uint64",
+        "out_fp": "uint64",
     },
 }
 MODULE_KIND_CODES: Final = {"fwd": 0, "bwd": 1}

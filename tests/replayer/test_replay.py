@@ -119,6 +119,28 @@ def test_a_replay_leaves_the_recorded_jobs_files_alone_and_names_a_changed_input
     assert _digests(ckpts) == before
 
 
+def test_op_fingerprints_name_the_racy_op_and_its_module(tmp_path: Path) -> None:
+    racy = str(REPO / "tests" / "workloads" / "racy_train.py")
+    runs = {}
+    for name, extra in (("plain", ()), ("taped", ("--tape-ops", "fsdpr_test::racy_mix"))):
+        out = tmp_path / name
+        cmd = [*CLI, "record", "--out", str(out), "--op-fingerprints", "steps:0-2", *extra, "--"]
+        run([*cmd, *torchrun_cmd(2, racy, "--ddp")], env=child_env())
+        runs[name] = out
+    doc, out, _ = replay(runs["plain"], 0, check_code=1)
+    op = doc["op_finding"]
+    assert (op["kind"], op["op"], op["module"], op["step"]) == (
+        "op_result",
+        "fsdpr_test::racy_mix",
+        "module",
+        0,
+    ), out
+    assert "earliest op that differs: fsdpr_test::racy_mix in module" in out
+    doc, out, _ = replay(runs["taped"], 1, check_code=0)  # its recorded results injected: every op matches
+    assert doc["op_finding"] is None and doc["ops_checked"] > 100, out
+    assert "every op of the --op-fingerprints window matched" in out
+
+
 def test_planted_nondeterminism_stops_the_replay_at_that_step_rank_and_collective(tmp_path: Path) -> None:
     rec, _ = record(
         tmp_path, 2, "--steps", "4", *SMALL, "--wallclock-noise-at-step", "2", "--noise-rank", "1"

@@ -72,6 +72,7 @@ def test_event_keys_pinned() -> None:
         "kop": {"type", "seq", "step", "micro", "op", "tensors"},
         "files": {"type", "read", "written", "overflow"},
         "urandom": {"type", "calls", "overflow"},
+        "aop": {"type", "step", "idx", "name", "module", "in_fp", "out_fp"},
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
     }
     assert {k: set(v) for k, v in schema.EVENT_KEYS.items()} == expected
@@ -210,6 +211,14 @@ def test_tables_pinned() -> None:
             "fp": "uint64",
             "algo": "int16",
             "nonfinite": "bool",
+        },
+        "op_fps": {
+            "step": "int64",
+            "idx": "int64",
+            "op": "int16",
+            "module": "int32",
+            "in_fp": "uint64",
+            "out_fp": "uint64",
         },
     }
     assert expected == schema.TABLES
