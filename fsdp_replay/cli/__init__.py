@@ -5,6 +5,6 @@ with the agent enabled; ``render`` prints results; ``watchdog`` stops a job whos
 command died.
 """
 
-from fsdp_replay.cli.main import main
+from fsdp_replay.cli.main import build_parser, main
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]

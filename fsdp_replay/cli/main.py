@@ -10,6 +10,7 @@ usage error, 3 unusable input; ``record`` returns its command's code.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -34,8 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _not_abandoned_futures(record: logging.LogRecord) -> bool:
+    """zarr writes chunks concurrently: when one fails (a full disk), the error reaches us and is
+    reported once, clearly; asyncio would also print the sibling writes' abandoned futures."""
+    return "exception was never retrieved" not in record.getMessage()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    logging.getLogger("asyncio").addFilter(_not_abandoned_futures)
     command: list[str] = []
     if "--" in argv:  # everything after -- is the program's command line, untouched
         cut = argv.index("--")

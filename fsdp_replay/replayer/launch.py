@@ -157,20 +157,24 @@ def report_dir(trace_url: str, who: str, from_step: int) -> Path:
     return base / "replays" / f"{who.replace(' ', '-')}-from-{from_step}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+# Interpreter options that take a value (``python -X dev -W error script.py``).
+_INTERPRETER_VALUE_OPTIONS = frozenset({"-X", "-W", "--check-hash-based-pycs"})
+
+
 def all_ranks_command(command: list[str], world: int) -> list[str]:
-    """The recorded ``python script args`` as a torchrun of ``world`` local processes."""
+    """The recorded ``python [options] script args`` (or ``-m module``) as a torchrun of ``world``
+    local processes; the interpreter's own options (``-u``, ``-X dev``) stay the interpreter's."""
     exe, *rest = command
+    options: list[str] = []
+    while rest and rest[0].startswith("-") and rest[0] != "-m":
+        opt = rest.pop(0)
+        options.append(opt)
+        if opt in _INTERPRETER_VALUE_OPTIONS and rest:
+            options.append(rest.pop(0))
+    run = [exe, *options, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     if rest and rest[0] == "-m":
-        return [
-            exe,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={world}",
-            "-m",
-            *rest[1:],
-        ]
-    return [exe, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *rest]
+        return [*run, "-m", *rest[1:]]
+    return [*run, *rest]
 
 
 def open_rank(trace_url: str, rank: int) -> tuple[Trace, dict[str, Any]]:

@@ -77,3 +77,22 @@ def test_the_interpreters_recorded_command_line_is_replayed(tmp_path: object) ->
     }
     command, _cwd = launch.replay_command({**meta, "executable": "/nonexistent/python"}, [])
     assert command[1:] == ["-u", "-m", "pkg.train", "--lr", "1"]
+
+
+def test_an_all_rank_replay_keeps_the_interpreters_options_for_the_interpreter() -> None:
+    cmd = launch.all_ranks_command(["py", "-u", "-X", "dev", "train.py", "--lr", "1"], 2)
+    assert cmd == [
+        "py",
+        "-u",
+        "-X",
+        "dev",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        "--lr",
+        "1",
+    ]
+    cmd = launch.all_ranks_command(["py", "-u", "-m", "pkg.train"], 4)
+    assert cmd[-3:] == ["--nproc_per_node=4", "-m", "pkg.train"] and cmd[:2] == ["py", "-u"]
