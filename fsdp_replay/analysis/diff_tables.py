@@ -22,11 +22,9 @@ from fsdp_replay.analysis.columns import (
     shape_hashes,
 )
 from fsdp_replay.analysis.payloads import magnitude
+from fsdp_replay.trace.ops import RECEIVED_OFF_ROOT
 from fsdp_replay.trace.reader import RankTrace
 from fsdp_replay.trace.schema import ROLE_INPUT, ROLE_NAMES, ROLE_OBJECTS
-
-# Ops whose tensors a rank other than the root only receives into (often a fresh torch.empty).
-RECEIVED_OFF_ROOT = ("broadcast_", "broadcast")
 
 
 @dataclass

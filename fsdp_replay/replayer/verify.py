@@ -21,7 +21,7 @@ from fsdp_replay.agent.fingerprint import Pending, fingerprint, fingerprint_many
 from fsdp_replay.errors import ConfigError
 from fsdp_replay.replayer.expected import ExpectedColl, ExpectedTensor, RankRecord
 from fsdp_replay.replayer.report import Divergence, magnitude
-from fsdp_replay.trace.ops import ALL_GATHER_OPS
+from fsdp_replay.trace.ops import ALL_GATHER_OPS, RECEIVED_OFF_ROOT
 
 
 def same_float(a: float, b: float) -> bool:
@@ -58,13 +58,9 @@ def pg_problem(rec: RankRecord, call: CollectiveCall, exp: ExpectedColl) -> str 
     return None
 
 
-# Ops whose tensors a rank other than the root only receives into (often a fresh torch.empty).
-_RECEIVED_OFF_ROOT = frozenset({"broadcast_", "broadcast"})
-
-
 def receives_only(call: CollectiveCall) -> bool:
     """This rank's "inputs" of a broadcast it is not the root of: receive buffers, not data."""
-    if call.op not in _RECEIVED_OFF_ROOT or call.root is None:
+    if call.op not in RECEIVED_OFF_ROOT or call.root is None:
         return False
     pg = call.process_group
     return pg is not None and pg.rank() != int(call.root)

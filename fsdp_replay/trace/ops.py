@@ -106,6 +106,9 @@ RECV_OPS: Final = frozenset(op.name for op in OPS if op.family == RECV)
 P2P_OPS: Final = SEND_OPS | RECV_OPS
 SAME_SHAPE_OPS: Final = frozenset(op.name for op in OPS if op.same_shape)
 ALL_GATHER_OPS: Final = frozenset(op.name for op in OPS if op.all_gather)
+# Ops whose tensors a rank other than the root only receives into (often a fresh torch.empty):
+# not data on that rank, so replay and diff do not compare them as inputs.
+RECEIVED_OFF_ROOT: Final = frozenset({"broadcast_", "broadcast"})
 
 
 def info(name: str) -> OpInfo | None:
