@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_replay.agent import capture
+from fsdp_replay.agent import capture, numerics
 from fsdp_replay.agent.batches import BatchRecorder
 from fsdp_replay.agent.config import Fault, RecordConfig
 from fsdp_replay.agent.counters import AgentState, counters
@@ -97,6 +97,7 @@ class Recorder:
         self.files.install()
         self.entropy = EntropyRecorder(lambda: not self.finished)
         self.entropy.install()
+        self.flag_watch = numerics.FlagWatch({})
         self.ops: OpRecorder | None = None
         if not config.op_fingerprints.empty:
             self.ops = OpRecorder(
@@ -220,6 +221,8 @@ class Recorder:
             )
             writer = BackgroundWriter(spool, self.fail, self._on_idle)
             info = capture.process_info(rank, world, int(os.environ.get("LOCAL_RANK", 0)))
+            key = numerics.key()
+            self.flag_watch = numerics.FlagWatch(key["flags"])
             start = {
                 "type": schema.EV_RANK_START,
                 "format_version": schema.FORMAT_VERSION,
@@ -239,6 +242,7 @@ class Recorder:
                 },
                 "start_ns": time.time_ns(),
                 "t0_wall_ns": time.time_ns() - st.t_ns(),
+                "numerics": key,
                 "fingerprint_algos": {
                     "cpu": schema.FP_SK64 if native.available() else schema.FP_ZLIB64,
                     "native_core": native.available(),
@@ -353,6 +357,8 @@ class Recorder:
             }
         )
         self._write_files(w)
+        if (flags := self.flag_watch.changed()) is not None:
+            w.event({"type": schema.EV_NUMERICS, "step": st.pos.step, "flags": flags})
         if self.ops is not None:
             self.ops.at_step(st.pos.step + 1)
         if st.pos.step == 0:

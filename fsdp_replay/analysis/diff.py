@@ -22,6 +22,7 @@ from fsdp_replay.analysis.diff_tables import (
     event_key,
     side_of,
 )
+from fsdp_replay.trace import numerics
 from fsdp_replay.trace.reader import RankTrace, Trace
 
 
@@ -154,6 +155,12 @@ def _notes(a: Trace, b: Trace, chosen: list[int]) -> list[str]:
             sa_, sb_ = " ".join(xa[i1:i2]), " ".join(xb[j1:j2])
             parts.append(f"A {f'`{sa_}`' if sa_ else 'nothing'} vs B {f'`{sb_}`' if sb_ else 'nothing'}")
         notes.append("the arguments differ: " + "; ".join(parts))
+    ka, kb = ma.get("numerics"), mb.get("numerics")
+    if ka is not None and kb is not None:  # both runs ran all ranks: NCCL's settings count too
+        for m in numerics.compare(ka, kb):
+            notes.append(
+                f"the runs' replay keys differ: {m.key} is {m.recorded!r} in A and {m.replay!r} in B: {m.meaning}"
+            )
     return notes
 
 

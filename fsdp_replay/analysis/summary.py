@@ -82,6 +82,7 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
             "versions": meta.get("versions"),
             "threads": meta.get("threads"),
             "determinism": meta.get("determinism"),
+            "numerics": meta.get("numerics"),
             "script": meta.get("script"),
             "policy": meta.get("policy"),
             "env": meta.get("env"),

@@ -7,6 +7,8 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any
 
+from fsdp_replay.trace import numerics
+
 if TYPE_CHECKING:  # rich is imported where a table is drawn: the images' parser has no rich
     from rich.console import Console
 
@@ -136,6 +138,8 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
             f"{v.get('torch')}, cuda {v.get('cuda')}, nccl {v.get('nccl')}; intra-op threads "
             f"{th.get('intra_op')}; deterministic algorithms {det.get('use_deterministic_algorithms')}"
         )
+        if env.get("numerics"):
+            con.print(f"replay key: {numerics.summary_line(env['numerics'])}")
         script = env.get("script") or {}
         con.print(
             f"script {script.get('path')} sha256 {str(script.get('sha256'))[:16]}…  policy {env.get('policy')}"
@@ -144,6 +148,8 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
             con.print("argv:", env.get("argv"))
             con.print("env:", env.get("env"))
             con.print("determinism:", det)
+            if env.get("numerics"):
+                con.print("replay key:", env["numerics"])
 
 
 def jsonable(x: Any) -> Any:

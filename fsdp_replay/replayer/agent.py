@@ -12,6 +12,7 @@ was taken (the optimizer step hook), after running the earlier steps unverified.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from fsdp_replay.replayer.config import ReplayConfig
 from fsdp_replay.replayer.expected import RankRecord
 from fsdp_replay.replayer.fake_pg import completed_work, redirect_to_fake_pg
 from fsdp_replay.replayer.fsdp_frames import feeding_modules
+from fsdp_replay.replayer.key_check import KeyCheck
 from fsdp_replay.replayer.op_check import OpCheck
 from fsdp_replay.replayer.report import Divergence, build_report
 from fsdp_replay.replayer.tape import ReplayTape, attach_tape
@@ -61,6 +63,7 @@ class Replayer:
         self.trace = Trace.open(config.trace)
         self.rec = RankRecord(self.trace, self.rank)
         self.world = self.rec.world_size
+        self.key = KeyCheck(self.rec.meta, self.rec.attrs.get("numerics_changes") or [], self.notes)
         self.from_step = config.from_step
         self.to_step = config.to_step
         # Verdicts are made only over what the record holds (trace/completeness.py). A record
@@ -260,6 +263,7 @@ class Replayer:
     def on_step_begin(self, opt: torch.optim.Optimizer) -> None:
         if self.primary is None:
             self.primary = opt
+            self.key.at_start()
 
     def on_step_end(self, opt: torch.optim.Optimizer) -> None:
         if opt is not self.primary:
@@ -269,6 +273,7 @@ class Replayer:
             self._check_step(opt, exp)
         self.colls_per_step[self.step] = self.step_colls
         done = self.step
+        self.key.at_step_end(done)
         if done == 0 and callable(self.on_step_zero_done):
             self.on_step_zero_done()
         self.step += 1
@@ -428,6 +433,8 @@ class Replayer:
                     "rank went on. This is the replay's environment or a replay defect, not a finding "
                     "about the recorded run (the traceback is in the program's output above)"
                 )
+        with contextlib.suppress(Exception):  # a replay that stopped before its first step
+            self.key.at_start()
         out = Path(self.config.report)
         if self.live:
             out = out / RANK_REPORT_FMT.format(rank=self.rank)

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fsdp_replay.analysis.payloads import magnitude as payload_magnitude
+from fsdp_replay.trace.numerics import DEVICE, LIBRARY, Mismatch, likely_cause
 
 KIND_TEXT = {
     "collective_input": "a collective's input differs",
@@ -64,6 +65,29 @@ def magnitude(expected: Any, actual: Any) -> dict[str, Any] | None:
         return bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
     return payload_magnitude(raw(expected), raw(actual), str(actual.dtype).removeprefix("torch."))
+
+
+def _key_lines(report: dict[str, Any], status: Any) -> list[str]:
+    """The replay key's differences (``replayer/key_check.py``), and the likely cause of a divergence."""
+    key = report.get("numerics") or {}
+    found = [Mismatch(**m) for m in key.get("mismatches") or []]
+    if not found:
+        return []
+    lines = [
+        f"  replay key: {len(found)} setting{'s' if len(found) > 1 else ''} differ from the recording's:"
+    ]
+    for m in found[:12]:
+        lines.append(f"    {m.line()}")
+    cause = likely_cause(found)
+    if status == "diverged" and cause is not None:
+        lines.append(
+            f"  likely cause: {cause.key} differs (recorded {cause.recorded!r}, here {cause.replay!r})"
+        )
+    elif status == "bit-exact" and cause is not None and cause.kind in (DEVICE, LIBRARY):
+        lines.append(
+            "  (the replay matched although it ran elsewhere: these ops computed the same bits here)"
+        )
+    return lines
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -138,6 +162,7 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(
                 f"  first collective affected: #{x['seq']} {x['op']} at step {x['step']} ({x['what']})"
             )
+    lines += _key_lines(report, status)
     det = report.get("determinism") or {}
     if (
         status != "bit-exact"
@@ -239,6 +264,7 @@ def build_report(r: Any, status: str, reason: str) -> dict[str, Any]:
             "private_folder": r.files.root if getattr(r, "files", None) is not None else None,
         },
         "determinism": r.rec.meta.get("determinism"),
+        "numerics": r.key.as_dict() if getattr(r, "key", None) is not None else None,
         "recorded_on_cuda": "cuda" in r.rec.attrs.get("device_names", []),
         "seconds": time.monotonic() - r.t0,
     }

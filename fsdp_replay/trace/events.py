@@ -27,6 +27,7 @@ EV_ALIVE: Final = "alive"
 EV_KERNEL_OP: Final = "kop"
 EV_FILES: Final = "files"
 EV_URANDOM: Final = "urandom"
+EV_NUMERICS: Final = "numerics"
 EV_OP_FP: Final = "aop"
 EV_END: Final = "end"
 
@@ -76,6 +77,8 @@ class _RankStart(TypedDict):
 class RankStart(_RankStart, total=False):
     t0_wall_ns: int
     """Wall-clock ns of the rank's ``t_ns == 0`` (format 3)."""
+    numerics: dict[str, Any]
+    """The replay key when recording started (``trace/numerics.py``; format 3)."""
 
 
 class ProcessGroup(TypedDict):
@@ -213,6 +216,14 @@ class Urandom(TypedDict):
     """Calls not kept beyond the bounds (``agent/entropy.py``)."""
 
 
+class Numerics(TypedDict):
+    """Flags of the replay key that changed during ``step`` (in effect from its end on)."""
+
+    type: str
+    step: int
+    flags: dict[str, Any]
+
+
 class Drop(TypedDict):
     type: str
     what: str
@@ -277,6 +288,7 @@ EVENT_TYPES: Final[dict[str, Any]] = {
     EV_DROP: Drop,
     EV_FILES: Files,
     EV_URANDOM: Urandom,
+    EV_NUMERICS: Numerics,
     EV_OP_FP: OpFp,
     EV_STUCK: Stuck,
     EV_ALIVE: Alive,

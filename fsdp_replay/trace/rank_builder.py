@@ -83,6 +83,7 @@ class RankBuilder:
             "process_groups": [],
             "files": {"read": [], "written": [], "overflow": 0},
             "urandom": {"calls": [], "overflow": 0},
+            "numerics_changes": [],
             "snapshots": [],
             "modules": [],
             "end": None,
@@ -212,6 +213,9 @@ class RankBuilder:
         drawn = self.attrs["urandom"]
         drawn["calls"].extend(ev["calls"])
         drawn["overflow"] = max(drawn["overflow"], int(ev["overflow"]))
+
+    def _ev_numerics(self, ev: dict[str, Any]) -> None:
+        self.attrs["numerics_changes"].append({"step": int(ev["step"]), "flags": dict(ev["flags"])})
 
     def _ev_pg(self, ev: dict[str, Any]) -> None:
         self.attrs["process_groups"].append({k: v for k, v in ev.items() if k != "type"})

@@ -49,6 +49,9 @@ from fsdp_replay.trace.events import (
     EV_MODULES as EV_MODULES,
 )
 from fsdp_replay.trace.events import (
+    EV_NUMERICS as EV_NUMERICS,
+)
+from fsdp_replay.trace.events import (
     EV_OP_FP as EV_OP_FP,
 )
 from fsdp_replay.trace.events import (
@@ -84,6 +87,7 @@ from fsdp_replay.trace.events import (
 from fsdp_replay.trace.events import (
     TENSOR_FIELDS as TENSOR_FIELDS,
 )
+from fsdp_replay.trace.numerics import KEY_ENV
 from fsdp_replay.trace.ops import (
     C10D_OPS as C10D_OPS,
 )
@@ -189,6 +193,7 @@ ENV_ALLOW: Final = frozenset(
         "OPENBLAS_NUM_THREADS",
         "PYTHONPATH",
         "TORCHELASTIC_RUN_ID",
+        *KEY_ENV,  # the replay key's (trace/numerics.py)
     }
 )
 ENV_ALLOW_PREFIXES: Final = ("NCCL_", "TORCH_", "CUDNN_", "FSDP_REPLAY_", "GLOO_", "CUBLAS")

@@ -187,15 +187,37 @@ def test_a_different_script_world_size_or_torch_refuses_to_start(tmp_path: Path)
     assert code == 3 and "recorded with torch 2.4.0" in text
 
 
-def test_a_different_thread_count_warns_with_what_it_means(tmp_path: Path) -> None:
+def test_the_replay_key_names_each_setting_that_differs_and_what_it_means(tmp_path: Path) -> None:
     import sys
 
     rec, _ = record(tmp_path, 2, "--steps", "2", *SMALL)
-    doc, text, _ = replay(
-        rec, 0, command=("env", "OMP_NUM_THREADS=2", sys.executable, str(EXAMPLE), "--steps", "2", *SMALL)
-    )
+    key = Trace.open(rec / schema.TRACE_DIR).rank(0).meta["numerics"]
+    assert key["device"]["kind"] == "cpu" and key["flags"]["intra_op_threads"] == 1, key
+    doc, text, _ = replay(rec, 0, check_code=0)
+    assert doc["numerics"] == {"compared": True, "mismatches": []}, text
+
+    command = (sys.executable, str(EXAMPLE), "--steps", "2", *SMALL)
+    doc, text, _ = replay(rec, 0, command=("env", "OMP_NUM_THREADS=2", *command))
     assert any("intra-op threads: recorded 1, replay 2" in n for n in doc["notes"]), text
-    assert "intra-op threads" in text
+    assert [m["key"] for m in doc["numerics"]["mismatches"]] == ["flags.intra_op_threads"], doc["numerics"]
+    assert "flags.intra_op_threads: recorded 1, here 2" in text
+
+    if key["device"]["cpu_capability"] == "DEFAULT":
+        pytest.skip("this CPU runs ATen's DEFAULT kernels already: no other instruction set to replay with")
+    doc, text, code = replay(rec, 0, command=("env", "ATEN_CPU_CAPABILITY=default", *command))
+    found = {m["key"]: m for m in doc["numerics"]["mismatches"]}
+    assert set(found) == {"device.cpu_capability", "env.ATEN_CPU_CAPABILITY"}, found
+    assert (
+        found["device.cpu_capability"]["replay"] == "DEFAULT"
+        and found["device.cpu_capability"]["kind"] == "device"
+    )
+    if code == 1:  # another instruction set added the sums in another order: named as the likely cause
+        assert (
+            "likely cause: device.cpu_capability differs (recorded 'AVX2'" in text
+            or "likely cause: device" in text
+        )
+    else:
+        assert code == 0 and doc["status"] == "bit-exact", text
 
 
 def test_a_nan_on_one_rank_is_named_and_replays_bit_for_bit(tmp_path: Path) -> None:
