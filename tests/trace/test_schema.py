@@ -72,6 +72,7 @@ def test_event_keys_pinned() -> None:
         "kop": {"type", "seq", "step", "micro", "op", "tensors"},
         "files": {"type", "read", "written", "overflow"},
         "urandom": {"type", "calls", "overflow"},
+        "numerics": {"type", "step", "flags"},
         "aop": {"type", "step", "idx", "name", "module", "in_fp", "out_fp"},
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
     }
@@ -84,7 +85,7 @@ def test_optional_event_keys_pinned() -> None:
         "end": {"inflight", "exception"},
         "step": {"cpu_ns", "counters"},
         "agent_error": {"step", "seq"},
-        "rank_start": {"t0_wall_ns"},
+        "rank_start": {"t0_wall_ns", "numerics"},
     }
     for ev, keys in schema.OPTIONAL_EVENT_KEYS.items():
         assert ev in schema.EVENT_KEYS
