@@ -45,20 +45,36 @@ def _state_init_step() -> bool:
     return False
 
 
+def _dynamo_compiled() -> bool:
+    """Whether ``torch.compile`` has compiled a frame in this process (without importing Dynamo)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    try:
+        return utils is not None and int(utils.counters["frames"]["ok"]) > 0
+    except Exception:  # another torch's counters: assume it did
+        return True
+
+
 class Guarded:
     """Calls ``fn`` only while the recorder is active, and never lets it raise. The thread CPU
     time it takes, less the program's own work it ran (``owner.program_ns``), is added to
     ``owner.cpu_ns``: what the agent costs the program."""
 
-    def __init__(self, owner: Any, where: str) -> None:
+    def __init__(self, owner: Any, where: str, *, outside_compile: bool = False) -> None:
         self.owner = owner
         self.where = where
+        self.outside_compile = outside_compile
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        owner, where = self.owner, self.where
+        owner, where, outside_compile = self.owner, self.where, self.outside_compile
+        is_compiling = torch.compiler.is_compiling
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            # Dynamo inlines module hooks into the graphs it traces: a hook that ran there would
+            # break the program's graph at every module (recording must not change what is
+            # compiled). Dynamo folds this test to True, so the hook vanishes from the graph.
+            if outside_compile and is_compiling():
+                return None
             if not owner.active():
                 return None
             t0, p0 = time.thread_time_ns(), owner.program_ns
@@ -126,13 +142,21 @@ class Hooks:
             depth[0] = max(0, depth[0] - 1)
 
         self._module_hooks = [
-            nn_module.register_module_forward_pre_hook(Guarded(owner, "forward pre-hook")(pre)),
-            nn_module.register_module_forward_hook(Guarded(owner, "forward hook")(post)),
+            nn_module.register_module_forward_pre_hook(
+                Guarded(owner, "forward pre-hook", outside_compile=True)(pre)
+            ),
+            nn_module.register_module_forward_hook(
+                Guarded(owner, "forward hook", outside_compile=True)(post)
+            ),
         ]
         owner.on_step_zero_done = self.remove_module_hooks
         self._undo.append(self.remove_module_hooks)
 
     def remove_module_hooks(self) -> None:
+        if _dynamo_compiled():
+            # Dynamo guards on the number of global module hooks: removing ours would make it
+            # recompile every compiled graph. Kept, they cost a call per eager module forward.
+            return
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []

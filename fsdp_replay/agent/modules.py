@@ -63,7 +63,7 @@ class ModuleTap:
             self._handle = None
 
     def _forward(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
-        if not self.enabled():
+        if torch.compiler.is_compiling() or not self.enabled():  # not inside compiled graphs (hooks.py)
             return
         try:
             leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from fsdp_replay.agent import capture, numerics
 from fsdp_replay.agent.batches import BatchRecorder
+from fsdp_replay.agent.compiled import CompiledWatch
 from fsdp_replay.agent.config import Fault, RecordConfig
 from fsdp_replay.agent.counters import AgentState, counters
 from fsdp_replay.agent.cxx.bridge import KernelBridge
@@ -42,7 +43,7 @@ from fsdp_replay.agent.process_groups import ProcessGroups
 from fsdp_replay.agent.record_collective import CollectiveRecorder
 from fsdp_replay.agent.record_tape import TapeRecorder
 from fsdp_replay.agent.snapshots import StateRecorder
-from fsdp_replay.agent.tape import OpTape, start_tape
+from fsdp_replay.agent.tape import OpTape, start_tape, tape_ops
 from fsdp_replay.agent.tensor_record import TensorRecorder
 from fsdp_replay.agent.writer import BackgroundWriter
 from fsdp_replay.trace import schema
@@ -98,6 +99,10 @@ class Recorder:
         self.entropy = EntropyRecorder(lambda: not self.finished)
         self.entropy.install()
         self.flag_watch = numerics.FlagWatch({})
+        self.compiled = CompiledWatch(
+            lambda: not self.finished, [op.name for op in tape_ops(config.tape_ops)]
+        )
+        self.compiled.install()
         self.ops: OpRecorder | None = None
         if not config.op_fingerprints.empty:
             self.ops = OpRecorder(
@@ -316,13 +321,17 @@ class Recorder:
         w.close()
 
     def _write_files(self, w: Any) -> None:
-        """The file ledger's and the OS randomness's news (``files.py``, ``entropy.py``)."""
+        """The news of the file ledger, the OS randomness and the compiled graphs (``files.py``,
+        ``entropy.py``, ``compiled.py``)."""
         new = self.files.take()
         if new is not None:
             w.event({"type": schema.EV_FILES, **new})
         drawn = self.entropy.take()
         if drawn is not None:
             w.event({"type": schema.EV_URANDOM, **drawn})
+        ran = self.compiled.take(self.state.pos.step, [m for m in (r() for r in self.roots) if m is not None])
+        if ran is not None:
+            w.event({"type": schema.EV_COMPILED, **ran})
 
     # -- steps --------------------------------------------------------------------------------
     def on_step_begin(self, opt: torch.optim.Optimizer) -> None:

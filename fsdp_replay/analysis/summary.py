@@ -64,6 +64,7 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
         },
         "payload_bytes": int(r.payloads["nbytes"].sum()) if len(r.payloads) else 0,
         "tape": tape_summary(r),
+        "compiled": compiled_summary(r.attrs.get("compiled")),
         "batches": len(r.batches),
         "snapshots": [sn["step"] for sn in r.attrs.get("snapshots", [])],
         "nonfinite_steps": s["step"][s["nonfinite"]].tolist() if len(s) else [],
@@ -89,6 +90,43 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
             "fingerprint_algos": meta.get("fingerprint_algos"),
         },
     }
+
+
+def compiled_summary(ran: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The Inductor graphs a rank ran (attrs ``compiled``), or None when it ran none."""
+    if not ran or not ran.get("calls"):
+        return None
+    steps = sorted({int(step) for step, _, _ in ran["calls"]})
+    return {
+        "steps": steps,
+        "calls": sum(int(n) for _, _, n in ran["calls"]),
+        "graphs": [g["graph"] for g in ran["graphs"]],
+        "devices": sorted({d for g in ran["graphs"] for d in g.get("devices", [])}),
+        "generated_kernels": sum(int(g.get("n_kernels", 0)) for g in ran["graphs"]),
+        "nondeterministic": sorted({k for g in ran["graphs"] for k in g.get("nondeterministic", [])}),
+        "modules": list(ran.get("modules") or []),
+        "errors": list(ran.get("errors") or []),
+    }
+
+
+def compiled_text(c: dict[str, Any]) -> list[str]:
+    """What ``compiled_summary`` means for a replay's verdict, in lines (inspect and replay)."""
+    steps = c["steps"]
+    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+    where = f" in {', '.join(c['modules'][:6])}" if c["modules"] else ""
+    lines = [
+        f"compiled: {span} ran {c['calls']} calls of {len(c['graphs'])} Inductor graphs{where} "
+        f"({c['generated_kernels']} generated kernels); ops inside generated kernels are neither taped nor "
+        "op-fingerprinted (those Inductor calls back into aten, such as matmuls and attention, are)"
+    ]
+    if c["nondeterministic"]:
+        lines.append(
+            f"  generated kernels that do the work of nondeterministic ops: {', '.join(c['nondeterministic'][:6])}: "
+            "their atomics can give other bits in every run, which no replay can inject; record with "
+            "torch.use_deterministic_algorithms(True) (Inductor then falls back to aten for accumulating index "
+            "writes) or leave those modules uncompiled"
+        )
+    return lines
 
 
 def tape_summary(r: RankTrace) -> dict[str, Any]:

@@ -12,45 +12,16 @@ sign that its processes ever ran with the agent.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import logging
 import os
 import sys
 import types
-from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
+
+from fsdp_replay.agent.after_import import AfterImport
 
 log = logging.getLogger(__name__)
 _state: dict[str, Any] = {}  # the one attached agent of this process (tests reach it here)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``name`` through the other finders and runs ``callback`` once it has executed."""
-
-    def __init__(self, name: str, callback: Callable[[types.ModuleType], None]) -> None:
-        self.name = name
-        self.callback = callback
-        self._loader: Any = None
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        self._loader = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self._loader.exec_module(module)
-        self.callback(module)
 
 
 EXIT_BAD_INPUT = 3
@@ -128,7 +99,7 @@ def activate() -> None:
     if "torch" in sys.modules:
         attach(config)
     else:
-        sys.meta_path.insert(0, _AfterImport("torch", on_torch))
+        sys.meta_path.insert(0, AfterImport("torch", on_torch))
 
 
 def mark_attached(out: str, error: str | None = None) -> None:

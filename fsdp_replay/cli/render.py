@@ -140,6 +140,11 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
         )
         if env.get("numerics"):
             con.print(f"replay key: {numerics.summary_line(env['numerics'])}")
+        for r in summary["per_rank"][:1]:
+            if r.get("compiled"):
+                from fsdp_replay.analysis.summary import compiled_text
+
+                con.print("\n".join(compiled_text(r["compiled"])))
         script = env.get("script") or {}
         con.print(
             f"script {script.get('path')} sha256 {str(script.get('sha256'))[:16]}…  policy {env.get('policy')}"

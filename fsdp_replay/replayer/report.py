@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fsdp_replay.analysis.payloads import magnitude as payload_magnitude
+from fsdp_replay.analysis.summary import compiled_summary, compiled_text
 from fsdp_replay.trace.numerics import DEVICE, LIBRARY, Mismatch, likely_cause
 
 KIND_TEXT = {
@@ -163,6 +164,8 @@ def render_text(report: dict[str, Any]) -> str:
                 f"  first collective affected: #{x['seq']} {x['op']} at step {x['step']} ({x['what']})"
             )
     lines += _key_lines(report, status)
+    if report.get("compiled"):
+        lines += [f"  {line}" for line in compiled_text(report["compiled"])]
     det = report.get("determinism") or {}
     if (
         status != "bit-exact"
@@ -264,6 +267,7 @@ def build_report(r: Any, status: str, reason: str) -> dict[str, Any]:
             "private_folder": r.files.root if getattr(r, "files", None) is not None else None,
         },
         "determinism": r.rec.meta.get("determinism"),
+        "compiled": compiled_summary(r.rec.attrs.get("compiled")),
         "numerics": r.key.as_dict() if getattr(r, "key", None) is not None else None,
         "recorded_on_cuda": "cuda" in r.rec.attrs.get("device_names", []),
         "seconds": time.monotonic() - r.t0,

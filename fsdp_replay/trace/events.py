@@ -28,6 +28,7 @@ EV_KERNEL_OP: Final = "kop"
 EV_FILES: Final = "files"
 EV_URANDOM: Final = "urandom"
 EV_NUMERICS: Final = "numerics"
+EV_COMPILED: Final = "compiled"
 EV_OP_FP: Final = "aop"
 EV_END: Final = "end"
 
@@ -224,6 +225,24 @@ class Numerics(TypedDict):
     flags: dict[str, Any]
 
 
+class _Compiled(TypedDict):
+    type: str
+    step: int
+    """The step during which (or, at the end, after which) the graphs ran."""
+    calls: dict[str, int]
+    """Calls of each Inductor graph (by its key) since the last ``compiled`` event."""
+    graphs: list[dict[str, Any]]
+    """Graphs first run since the last event: ``{"graph", "devices", "kernels", "n_kernels",
+    "aten_calls", "nondeterministic"}`` (``agent/compiled.py``)."""
+
+
+class Compiled(_Compiled, total=False):
+    modules: list[str]
+    """In the first event: the named modules that run compiled."""
+    error: str
+    """Why some compiled calls were not counted."""
+
+
 class Drop(TypedDict):
     type: str
     what: str
@@ -289,6 +308,7 @@ EVENT_TYPES: Final[dict[str, Any]] = {
     EV_FILES: Files,
     EV_URANDOM: Urandom,
     EV_NUMERICS: Numerics,
+    EV_COMPILED: Compiled,
     EV_OP_FP: OpFp,
     EV_STUCK: Stuck,
     EV_ALIVE: Alive,

@@ -84,6 +84,7 @@ class RankBuilder:
             "files": {"read": [], "written": [], "overflow": 0},
             "urandom": {"calls": [], "overflow": 0},
             "numerics_changes": [],
+            "compiled": {"graphs": [], "calls": [], "modules": [], "errors": []},
             "snapshots": [],
             "modules": [],
             "end": None,
@@ -216,6 +217,14 @@ class RankBuilder:
 
     def _ev_numerics(self, ev: dict[str, Any]) -> None:
         self.attrs["numerics_changes"].append({"step": int(ev["step"]), "flags": dict(ev["flags"])})
+
+    def _ev_compiled(self, ev: dict[str, Any]) -> None:
+        ran = self.attrs["compiled"]
+        ran["graphs"].extend(ev["graphs"])
+        ran["calls"].extend([int(ev["step"]), graph, int(n)] for graph, n in ev["calls"].items())
+        ran["modules"] = sorted({*ran["modules"], *ev.get("modules", [])})
+        if ev.get("error") and ev["error"] not in ran["errors"]:
+            ran["errors"].append(ev["error"])
 
     def _ev_pg(self, ev: dict[str, Any]) -> None:
         self.attrs["process_groups"].append({k: v for k, v in ev.items() if k != "type"})

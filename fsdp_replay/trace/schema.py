@@ -31,6 +31,9 @@ from fsdp_replay.trace.events import (
     EV_COLLECTIVE as EV_COLLECTIVE,
 )
 from fsdp_replay.trace.events import (
+    EV_COMPILED as EV_COMPILED,
+)
+from fsdp_replay.trace.events import (
     EV_DROP as EV_DROP,
 )
 from fsdp_replay.trace.events import (

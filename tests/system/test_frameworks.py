@@ -10,6 +10,8 @@ the same), and every rank must then replay alone, exit 0, with report.json sayin
 - lightning_trainer_fsdp: the PyTorch Lightning ``Trainer``, ``ModelParallelStrategy`` (FSDP2);
 - dcp_resume / dcp_resume_after: FSDP2 saving a ``torch.distributed.checkpoint`` and a second run
   resuming from it (two recordings; the second reads the checkpoint the first one wrote);
+- compiled: DDP over a ``module.compile()``d model whose pooling Inductor generates a kernel for;
+  recording must not change what Dynamo compiles, and the trace names the graphs;
 - broadcast_state: ``broadcast_object_list`` of rank 0's state dict, a ``dist.broadcast`` into a
   fresh ``torch.empty`` buffer, then FSDP2.
 
@@ -58,6 +60,7 @@ WORKLOAD_LIST = [
         "dcp_resume_after", "dcp_resume.py", (), 2, ("--ckpt-dir", "ckpt", "--resume"), after="dcp_resume"
     ),
     Workload("broadcast_state", "broadcast_state.py", (), 3),
+    Workload("compiled", "compiled_train.py", (), 3),
 ]
 BY_NAME = {w.name: w for w in WORKLOAD_LIST}
 SKIP_REASON = {
@@ -227,3 +230,27 @@ def test_every_rank_replays_alone_bit_exact(lab: Lab, name: str, rank: int) -> N
     assert doc["collectives_verified"] == doc["recorded_collectives"] > 0, out
     # every optimizer step of the training loop was one the replay verified
     assert len(doc["verified_steps"]) >= w.steps, out
+
+
+def test_compiled_graphs_are_named_and_recording_compiles_the_same(lab: Lab) -> None:
+    rec = lab.recording("compiled")
+    compiled = [line for line in rec.plain_proc.stdout.splitlines() if line.startswith("compile: ")]
+    assert compiled and compiled[-1].endswith(" 0 graph breaks"), tail(rec.plain_proc)
+    # the same graphs, no graph break at the agent's hooks, no recompile when it drops them
+    assert [x for x in rec.rec_proc.stdout.splitlines() if x.startswith("compile: ")] == compiled, tail(
+        rec.rec_proc
+    )
+    summary = json.loads(
+        subprocess.run(
+            [*CLI, "inspect", str(rec.run), "--json"], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    for r in summary["per_rank"]:
+        c = r["compiled"]
+        assert c["steps"] == [0, 1, 2] and c["calls"] == 6 and len(c["graphs"]) == 2, c
+        assert c["modules"] == ["module"], c  # DDP's child, compiled with module.compile()
+        assert any("index_add" in k for k in c["nondeterministic"]), c
+    doc, out, _ = lab.replays("compiled")[1]
+    assert doc["compiled"]["graphs"] == summary["per_rank"][1]["compiled"]["graphs"], out
+    assert "compiled: steps 0..2 ran 6 calls of 2 Inductor graphs in module" in out, out
+    assert "generated kernels that do the work of nondeterministic ops: cpp_fused_" in out, out

@@ -73,6 +73,7 @@ def test_event_keys_pinned() -> None:
         "files": {"type", "read", "written", "overflow"},
         "urandom": {"type", "calls", "overflow"},
         "numerics": {"type", "step", "flags"},
+        "compiled": {"type", "step", "calls", "graphs"},
         "aop": {"type", "step", "idx", "name", "module", "in_fp", "out_fp"},
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
     }
@@ -86,6 +87,7 @@ def test_optional_event_keys_pinned() -> None:
         "step": {"cpu_ns", "counters"},
         "agent_error": {"step", "seq"},
         "rank_start": {"t0_wall_ns", "numerics"},
+        "compiled": {"modules", "error"},
     }
     for ev, keys in schema.OPTIONAL_EVENT_KEYS.items():
         assert ev in schema.EVENT_KEYS
