@@ -76,6 +76,7 @@ class Config:
     name: str
     record_args: tuple[str, ...] | None  # None: unrecorded
     description: str
+    train_extra: tuple[str, ...] = ()  # more arguments for the example (another unrecorded program)
 
     @property
     def recorded(self) -> bool:
@@ -96,6 +97,12 @@ class Config:
 
 CONFIGS: tuple[Config, ...] = (
     Config("baseline", None, "unrecorded"),
+    Config(
+        "deterministic",
+        None,
+        "unrecorded, torch.use_deterministic_algorithms(True): what bit-exactness costs without the tape",
+        ("--deterministic",),
+    ),
     Config(
         "meta",
         ("--payloads", "none"),
@@ -188,6 +195,7 @@ def build_command(cfg: Config, run_dir: Path, train_args: list[str]) -> list[str
         str(NPROC),
         str(EXAMPLE.relative_to(REPO)),
         *train_args,
+        *cfg.train_extra,
     ]
     if cfg.record_args is None:
         return train
@@ -585,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
                 baseline_losses = res.losses
             if (
                 compare_losses
+                and not cfg.train_extra
                 and baseline_losses is not None
                 and res.losses
                 and res.losses != baseline_losses

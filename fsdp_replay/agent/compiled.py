@@ -89,7 +89,9 @@ class CompiledWatch:
         graph.__dict__[_KEY_ATTR] = key
         kernels = _KERNEL.findall(src)
         risky = sorted({f"{k} ({op})" for k in kernels for op in self.taped if f"_{op}_" in f"_{k}_"})
-        devices = getattr(graph, "device_types", None) or ()
+        devices = set(getattr(graph, "device_types", None) or ()) or {
+            "cuda" if k.startswith("triton_") else "cpu" for k in kernels if k.startswith(("triton_", "cpp_"))
+        }
         self.new.append(
             {
                 "graph": key,

@@ -175,3 +175,72 @@ def test_two_ranks_on_one_gpu_over_gloo_replay_bit_exact_with_default_kernels(tm
         code, text, doc = _replay(rec, rank)
         assert code == 0 and doc["status"] == "bit-exact", text
     shutil.rmtree(rec, ignore_errors=True)
+
+
+WORKLOADS = Path(__file__).parents[1] / "workloads"
+
+
+def _record_script(
+    tmp: Path, name: str, script: str, args: tuple[str, ...], options: tuple[str, ...]
+) -> Path:
+    out = tmp / name
+    cmd = [*CLI, "record", "--out", str(out), *options, "--"]
+    run([*cmd, *torchrun_cmd(1, str(WORKLOADS / script), *args)], env=child_env())
+    return out
+
+
+def test_a_transformers_llama_with_default_kernels_replays_bit_exact_and_its_key_matches(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers", reason="the Llama workload needs transformers")
+    rec = _record_script(
+        tmp_path,
+        "llama",
+        "llama_train.py",
+        ("--steps", "5", "--save-params", str(tmp_path / "llama" / "params-{rank}.pt")),
+        ("--snapshot-every", "2", "--max-pending-bytes", str(24 << 30)),
+    )
+    key = Trace.open(rec / schema.TRACE_DIR).rank(0).meta["numerics"]
+    print("replay key:", json.dumps(key))
+    assert key["device"]["kind"] == "cuda" and key["device"]["sm_count"] > 0 and key["libraries"]["cublas"], (
+        key
+    )
+    summary = json.loads(run([*CLI, "inspect", str(rec), "--json"]).stdout)
+    tape = summary["per_rank"][0]["tape"]
+    print("llama taped ops:", json.dumps(tape))
+    assert tape["with_payload"] == tape["outputs"], tape
+    for args in ((), ("--from-step", "3")):
+        code, text, doc = _replay(rec, 0, *args)
+        assert code == 0 and doc["status"] == "bit-exact", text
+        assert doc["numerics"] == {"compared": True, "mismatches": []}, doc["numerics"]
+        assert doc["tape_matched"] + sum(doc["injected"].values()) <= tape["outputs"], doc
+
+
+def test_a_racy_index_add_in_the_model_is_named_by_op_fingerprints(tmp_path: Path) -> None:
+    # Not taped (--no-tape): the atomics of index_add over duplicate indices give other sums in the
+    # replay, and the op check names that op (the tape would have injected its recorded result).
+    rec = _record_script(
+        tmp_path,
+        "racy",
+        "compiled_train.py",
+        ("--device", "cuda", "--no-compile"),
+        ("--no-tape", "--op-fingerprints", "steps:0-2"),
+    )
+    code, text, doc = _replay(rec, 0)
+    assert code == 1 and doc["status"] == "diverged", text
+    op = doc["op_finding"]
+    assert op is not None and op["kind"] == "op_result" and op["op"].startswith("aten::index_add"), (op, text)
+    assert op["module"] == "module" and op["step"] == 0, op
+    assert "earliest op that differs: aten::index_add" in text
+
+
+def test_compiled_code_on_the_gpu_is_named_with_its_generated_kernels(tmp_path: Path) -> None:
+    rec = _record_script(tmp_path, "compiled", "compiled_train.py", ("--device", "cuda"), ())
+    summary = json.loads(run([*CLI, "inspect", str(rec), "--json"]).stdout)
+    c = summary["per_rank"][0]["compiled"]
+    print("compiled on cuda:", json.dumps(c))
+    assert c and "cuda" in c["devices"] and c["steps"] == [0, 1, 2], c
+    assert any(k.startswith("triton_") and "index_add" in k for k in c["nondeterministic"]), c
+    code, text, doc = _replay(rec, 0)
+    assert code in (0, 1) and doc["compiled"]["graphs"] == c["graphs"], text
+    assert "generated kernels that do the work of nondeterministic ops: triton_" in text, text

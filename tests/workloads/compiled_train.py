@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--save-params", default="")
+    p.add_argument("--no-compile", action="store_true", help="eager: the index_add runs aten's kernel")
     args = p.parse_args()
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -39,7 +40,8 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = Pooled().to(device)
-    model.compile()
+    if not args.no_compile:
+        model.compile()
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1 + rank)
@@ -52,7 +54,9 @@ def main() -> None:
         opt.zero_grad()
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
-    if rank == 0:  # what Dynamo did: a recording must not change it (no graph break, no recompile)
+    if (
+        rank == 0 and not args.no_compile
+    ):  # what Dynamo did: a recording must not change it (no graph break, no recompile)
         from torch._dynamo.utils import counters
 
         breaks = sum(counters["graph_break"].values())
