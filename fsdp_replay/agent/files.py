@@ -5,8 +5,10 @@ rename, remove and mkdir, in any thread) sees the program's file operations; ``t
 path writes from C++, so it is wrapped too. For each file the program read before writing it: its
 path, size, mtime and, up to ``HASH_LIMIT`` bytes, the sha256 of its content. For each path it
 wrote, created or removed: whether it existed before. The Python installation, the run folder's
-spool and trace and
-``/proc``, ``/sys``, ``/dev`` are left out, and at most ``MAX_FILES`` paths are kept (the rest
+spool and trace, the compilers' caches (Inductor's, Triton's, torch extensions') and ``/proc``,
+``/sys``, ``/dev`` are left out; a file last modified after recording started is marked
+``during_run`` (the program's own product through native code or a subprocess, such as Triton's
+compiled launchers: not an input a replay needs), and at most ``MAX_FILES`` paths are kept (the rest
 counted). ``take()`` returns what is new since the last call; the recorder writes it as a
 ``files`` event at each step's end. A replay hides what the recorded run created and sends its
 own writes to a private folder (``replayer/overlay.py``), and names an input that changed since
@@ -16,12 +18,14 @@ the recording (``replayer/report.py``).
 from __future__ import annotations
 
 import functools
+import getpass
 import hashlib
 import os
 import stat
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +37,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 def excluded_roots(run_dir: str = "") -> tuple[str, ...]:
     """Paths whose files are the environment's, not the program's data."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fsdp_replay itself
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, "/proc", "/sys", "/dev", package}
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, "/proc", "/sys", "/dev", package, *_cache_roots()}
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         path = sysconfig.get_paths().get(key)
         if path:
@@ -43,6 +47,24 @@ def excluded_roots(run_dir: str = "") -> tuple[str, ...]:
 
         roots.update(os.path.join(run_dir, d) for d in (schema.SPOOL_DIR, schema.TRACE_DIR))
     return tuple(sorted(os.path.realpath(r) + os.sep for r in roots if r))
+
+
+def _cache_roots() -> list[str]:
+    """Where torch's compilers keep what they built: rebuilt on any machine that lacks it."""
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this container
+        user = str(os.getuid())
+    home = os.path.expanduser("~")
+    return [
+        os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"),
+        os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton"),
+        os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(home, ".cache", "torch_extensions"),
+        os.path.join(home, ".cache", "fsdp-replay"),
+    ]
 
 
 def is_write(mode: Any, flags: Any) -> bool:
@@ -74,6 +96,7 @@ class FileLedger:
 
     def __init__(self, active: Callable[[], bool], run_dir: str = "") -> None:
         self.active = active
+        self.started_ns = time.time_ns()
         self.skip = excluded_roots(os.path.realpath(run_dir) if run_dir else "")
         self.seen: set[tuple[str, bool]] = set()
         self.read: list[dict[str, Any]] = []
@@ -133,6 +156,8 @@ class FileLedger:
             else:
                 ident = identity(p)
                 if ident is not None:
+                    if ident["mtime_ns"] >= self.started_ns:
+                        ident["during_run"] = True
                     self.read.append(ident)
         except Exception:  # never the program's problem
             pass

@@ -375,6 +375,8 @@ def changed_inputs(ledger: dict[str, Any]) -> list[dict[str, Any]]:
 
     changed = []
     for rec in ledger.get("read", []):
+        if rec.get("during_run"):  # made while the job ran (by its native code): not its input
+            continue
         now = identity(rec["path"])
         if now is None:
             changed.append({"path": rec["path"], "what": "missing"})
