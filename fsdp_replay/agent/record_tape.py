@@ -13,8 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fsdp_replay.agent import capture
 from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
+from fsdp_replay.agent.fingerprint import fingerprint_many
 from fsdp_replay.agent.tape import outputs_of
 from fsdp_replay.agent.tensor_record import TensorRecorder
 from fsdp_replay.agent.writer import BackgroundWriter
@@ -56,6 +58,11 @@ class TapeRecorder:
             pos = st.pos
             record = self.tensors.record
             store = st.payload_now if self.stored_steps is None else pos.step in self.stored_steps
+            outs = [capture.local(t) for t in outputs_of(result)]
+            # one batched pass for all the call's outputs (on CUDA: a fixed number of kernel
+            # launches, one copy and one event), not a pass per output: the tape runs in the
+            # backward of every attention layer, and on a host-bound step each launch counts
+            fps = fingerprint_many(outs) if len(outs) > 1 else [None] * len(outs)
             w.event(
                 {
                     "type": schema.EV_KERNEL_OP,
@@ -63,7 +70,7 @@ class TapeRecorder:
                     "step": pos.step,
                     "micro": pos.micro,
                     "op": name,
-                    "tensors": [record("o", t, store) for t in outputs_of(result)],
+                    "tensors": [record("o", t, store, fp) for t, fp in zip(outs, fps, strict=True)],
                 }
             )
             self.calls += 1
