@@ -19,6 +19,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     trace = Trace.open(resolve_trace(args.trace))
     ranks = [args.rank] if args.rank is not None else None
     summary = summarize(trace, ranks)
+    from fsdp_replay.analysis.findings import findings
+
+    summary["findings"] = findings(trace, summary, args.trace, ranks)
     if args.verify:
         from fsdp_replay.trace.scrub import scrub
 

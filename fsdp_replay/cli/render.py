@@ -29,6 +29,7 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
     )
     if run:
         con.print(f"command: {' '.join(run.get('command', []))}  (exit code {run.get('exit_code')})")
+    _print_findings(con, summary.get("findings") or [])
 
     t = Table(title="ranks")
     for col in (
@@ -155,6 +156,24 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
             con.print("determinism:", det)
             if env.get("numerics"):
                 con.print("replay key:", env["numerics"])
+
+
+_MARK = {"problem": "[red]PROBLEM[/red]", "warning": "[yellow]warning[/yellow]", "info": "[green]ok[/green]"}
+
+
+def _print_findings(con: Any, found: list[dict[str, Any]]) -> None:
+    """The findings (``analysis/findings.py``), first: what happened, and what to run next."""
+    if not found:
+        return
+    from rich.markup import escape
+
+    con.print("[bold]findings[/bold]")
+    for f in found:
+        mark = _MARK.get(f["severity"], f["severity"]) if f["kind"] != "compiled" else "note"
+        con.print(f"  {mark} {escape(f['message'])}", soft_wrap=True)
+        if f.get("next"):
+            con.print(f"      next: {escape(f['next'])}", soft_wrap=True)
+    con.print()
 
 
 def jsonable(x: Any) -> Any:

@@ -150,6 +150,14 @@ def test_nan_origin_is_the_poisoned_rank(tmp_path: Path, capsys: pytest.CaptureF
     assert code == 1
     data = json.loads(out)
     assert data["found"] and data["origin"]["rank"] == 1 and data["origin"]["value"] == "NaN"
+    code, out = cli(capsys, "inspect", str(run_dir), "--json")
+    first = json.loads(out)["findings"][0]  # inspect leads with it, and says what to run
+    assert (first["kind"], first["rank"], first["step"]) == ("nonfinite", 1, 3), first
+    assert first["next"] == f"fsdp-replay nan {run_dir}; fsdp-replay replay {run_dir} --rank 1 --from-step 3"
+    code, out = cli(capsys, "inspect", str(run_dir))
+    assert out.startswith(f"trace {run_dir}") and "findings PROBLEM first non-finite value: rank 1" in out, (
+        out
+    )
 
 
 @pytest.mark.slow
@@ -241,6 +249,12 @@ def test_desync_of_a_hang_killed_by_the_pg_timeout(
     assert "rank 1 never did" in out
     code, out = cli(capsys, "desync", str(run_dir), "--json")
     assert code == 1 and json.loads(out)["first_mismatch"]["never"] == [1]
+    code, out = cli(capsys, "inspect", str(run_dir), "--json")
+    found = json.loads(out)["findings"]
+    desync = next(f for f in found if f["kind"] == "desync")
+    assert (desync["rank"], desync["step"], desync["op"]) == (1, 3, "allreduce_"), found
+    assert desync["seq"] == rep["first_mismatch"]["entries"]["0"]["seq"]
+    assert found[0]["severity"] == "problem" and "ok" not in {f["kind"] for f in found}
     # a hang is not a NaN
     assert nonfinite_origin(open_trace(run_dir)) is None
 

@@ -1,0 +1,211 @@
+"""What ``inspect`` leads with: how the run ended and what in it needs a look, each with the
+command to run next.
+
+A finding is ``{"kind", "severity", "rank", "step", "seq", "op", "message", "next"}``: ``kind``
+one of "ended", "nonfinite", "desync", "hang", "payloads_dropped", "agent_error", "damage",
+"restarted", "compiled", "ok"; ``severity`` "problem" (the run failed there), "warning" (the
+record or a replay is weaker for it) or "info"; ``rank``/``step``/``seq``/``op`` where they
+apply (None otherwise); ``next`` the command line to run, with ``RUN`` as the user named it.
+Problems come first, in the order they happened.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from fsdp_replay.analysis.desync import desync_report
+from fsdp_replay.analysis.nonfinite import nonfinite_origin
+from fsdp_replay.trace.reader import Trace
+
+PROBLEM, WARNING, INFO = "problem", "warning", "info"
+
+
+def _finding(
+    kind: str, severity: str, message: str, next_cmd: str | None = None, **where: Any
+) -> dict[str, Any]:
+    out = {"kind": kind, "severity": severity, "rank": None, "step": None, "seq": None, "op": None}
+    out.update(where)
+    out["message"] = message
+    out["next"] = next_cmd
+    return out
+
+
+def findings(
+    trace: Trace, summary: dict[str, Any], run: str, ranks: list[int] | None = None
+) -> list[dict[str, Any]]:
+    """The findings of a trace; ``summary`` is ``summarize``'s, ``run`` how the user named it."""
+    q = shlex.quote(run)
+    out: list[dict[str, Any]] = []
+    origin = nonfinite_origin(trace, ranks)
+    if origin is not None:
+        out.append(
+            _finding(
+                "nonfinite",
+                PROBLEM,
+                origin["message"],
+                f"fsdp-replay nan {q}; fsdp-replay replay {q} --rank {origin['rank']} --from-step {origin['step']}",
+                rank=origin["rank"],
+                step=origin["step"],
+                seq=origin.get("seq"),
+                op=origin.get("op"),
+            )
+        )
+    if len(trace.ranks) > 1 or summary.get("missing_ranks"):
+        rep = desync_report(trace, ranks)
+        mm = rep["first_mismatch"]
+        if mm is not None:
+            entry = next((e for e in mm["entries"].values() if e), None) or {}
+            suspects = mm.get("suspects") or []
+            out.append(
+                _finding(
+                    "desync",
+                    PROBLEM,
+                    mm["message"],
+                    f"fsdp-replay desync {q}",
+                    rank=suspects[0] if suspects else None,
+                    step=entry.get("step"),
+                    seq=entry.get("seq"),
+                    op=entry.get("op"),
+                )
+            )
+        elif rep["stuck"]:
+            stuck = [pr for pr in rep["ranks"] if pr["in_flight"]]
+            first = stuck[0]["in_flight"]
+            out.append(
+                _finding(
+                    "hang",
+                    PROBLEM,
+                    rep["message"],
+                    f"fsdp-replay desync {q}",
+                    rank=stuck[0]["rank"],
+                    step=first.get("step"),
+                    seq=first.get("seq"),
+                    op=first.get("op"),
+                )
+            )
+    for r in summary["per_rank"]:
+        out += _rank_findings(r, q)
+    if summary.get("missing_ranks"):
+        out.append(
+            _finding(
+                "ended",
+                PROBLEM,
+                f"ranks {summary['missing_ranks']} of the world of {summary['world_size']} left no record "
+                "(never started recording, or their spools were lost)",
+                f"fsdp-replay inspect {q} --verbose",
+            )
+        )
+    if not any(f["severity"] == PROBLEM for f in out):
+        done = ", ".join(f"rank {r['rank']}: {r['steps']} steps" for r in summary["per_rank"][:8])
+        out.insert(
+            0,
+            _finding(
+                "ok",
+                INFO,
+                f"every rank finished recording cleanly ({done}); no non-finite value, desync or hang",
+                f"fsdp-replay replay {q} --rank {summary['per_rank'][0]['rank']}"
+                if summary["per_rank"]
+                else None,
+            ),
+        )
+    order = {PROBLEM: 0, WARNING: 1, INFO: 2}
+    out.sort(key=lambda f: (order[f["severity"]], f["step"] if f["step"] is not None else 1 << 62))
+    return out
+
+
+def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
+    rank = r["rank"]
+    out = []
+    end = r.get("end")
+    if end is None:
+        out.append(
+            _finding(
+                "ended",
+                PROBLEM,
+                f"rank {rank} did not finish recording (killed or crashed) after {r['steps']} steps",
+                f"fsdp-replay replay {q} --rank {rank}",
+                rank=rank,
+                step=max(r["steps"] - 1, 0),
+            )
+        )
+    else:
+        if end.get("exception"):
+            out.append(
+                _finding(
+                    "ended",
+                    PROBLEM,
+                    f"rank {rank} ended with an uncaught exception after {r['steps']} steps: "
+                    f"{str(end['exception']).strip().splitlines()[-1][:300]}",
+                    f"fsdp-replay replay {q} --rank {rank}",
+                    rank=rank,
+                    step=max(r["steps"] - 1, 0),
+                )
+            )
+        elif end.get("reason") not in (None, "exit"):
+            out.append(
+                _finding(
+                    "ended",
+                    PROBLEM,
+                    f"rank {rank} was stopped by {end['reason']} after {r['steps']} steps",
+                    f"fsdp-replay desync {q}",
+                    rank=rank,
+                    step=max(r["steps"] - 1, 0),
+                )
+            )
+    counters = (end or {}).get("counters") or {}
+    if counters.get("blobs_dropped"):
+        out.append(
+            _finding(
+                "payloads_dropped",
+                WARNING,
+                f"rank {rank}: {counters['blobs_dropped']} payloads were dropped while recording (disk full or "
+                "the memory bound); a replay of the steps that need them stops there and says so",
+                "record again with a larger --max-pending-bytes, or fewer --payloads / --tape-payloads steps",
+                rank=rank,
+            )
+        )
+    for e in r.get("agent_errors") or []:
+        out.append(
+            _finding(
+                "agent_error",
+                WARNING,
+                f"rank {rank}: the agent stopped recording at {e.get('where')}: {e.get('message')}; the record "
+                "ends there",
+                None,
+                rank=rank,
+            )
+        )
+    for d in r.get("damage") or []:
+        out.append(
+            _finding(
+                "damage",
+                WARNING,
+                f"rank {rank}: damaged spool skipped when collected: {d}",
+                f"fsdp-replay inspect {q} --verify",
+                rank=rank,
+            )
+        )
+    if (r.get("attempts") or 0) > 1:
+        out.append(
+            _finding(
+                "restarted",
+                INFO,
+                f"rank {rank} started recording {r['attempts']} times (a launcher restarted it); the record holds every attempt",
+                None,
+                rank=rank,
+            )
+        )
+    compiled = r.get("compiled")
+    if compiled and compiled.get("nondeterministic"):
+        out.append(
+            _finding(
+                "compiled",
+                INFO,
+                f"rank {rank} ran Inductor kernels doing nondeterministic ops' work "
+                f"({', '.join(compiled['nondeterministic'][:3])}): a replay cannot inject their results",
+                None,
+                rank=rank,
+            )
+        )
+    return out
