@@ -27,7 +27,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from fsdp_replay.replayer.config import ReplayConfig
 
     trace_url = resolve_trace(args.trace)
+    chosen = args.rank is not None
+    if not chosen:
+        args.rank = 0
     trace, meta = launch.open_rank(trace_url, args.rank)
+    if not chosen and not args.all_ranks and len(trace.ranks) > 1:
+        print(
+            f"fsdp-replay: no --rank given: replaying rank 0 of the {len(trace.ranks)} recorded (choose one with "
+            f"--rank R; `fsdp-replay inspect {args.trace}` leads with the rank to look at)",
+            file=sys.stderr,
+        )
     override = list(args.command)
     command, cwd = launch.replay_command(meta, override)
     if not args.force:
@@ -137,7 +146,13 @@ def register(sub: Any) -> None:
         "the trace or the program cannot be replayed. Every option is also an environment variable.",
     )
     rp.add_argument("trace", help="a trace (or the run folder holding trace.zarr)")
-    env_option(rp, "--rank", kind="int", default=0, help="the rank to replay")
+    env_option(
+        rp,
+        "--rank",
+        kind="int",
+        default=None,
+        help="the rank to replay (default 0, said when the trace has more)",
+    )
     env_option(
         rp,
         "--from-step",

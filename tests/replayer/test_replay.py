@@ -193,8 +193,13 @@ def test_the_replay_key_names_each_setting_that_differs_and_what_it_means(tmp_pa
     rec, _ = record(tmp_path, 2, "--steps", "2", *SMALL)
     key = Trace.open(rec / schema.TRACE_DIR).rank(0).meta["numerics"]
     assert key["device"]["kind"] == "cpu" and key["flags"]["intra_op_threads"] == 1, key
-    doc, text, _ = replay(rec, 0, check_code=0)
-    assert doc["numerics"] == {"compared": True, "mismatches": []}, text
+    report = rec / "report-no-rank"  # no --rank on a 2-rank trace: rank 0, and it says so
+    proc = run([*CLI, "replay", str(rec), "--report", str(report)], check=False)
+    assert proc.returncode == 0 and "no --rank given: replaying rank 0 of the 2 recorded" in proc.stderr, (
+        proc.stderr
+    )
+    doc = json.loads((report / "report.json").read_text())
+    assert doc["rank"] == 0 and doc["numerics"] == {"compared": True, "mismatches": []}, doc
 
     command = (sys.executable, str(EXAMPLE), "--steps", "2", *SMALL)
     doc, text, _ = replay(rec, 0, command=("env", "OMP_NUM_THREADS=2", *command))
