@@ -48,8 +48,9 @@ def restore_rng(rec: RankRecord, step: int, what: str, notes: list[str]) -> None
     capture.set_rng_state(capture.decode_rng(rec.blob(exp["payload"])))
     if differs and step < 0:
         notes.append(
-            f"the {', '.join(differs)} RNG state at {what} differed from the recorded one and was "
-            "restored (Python's and numpy's are seeded from the OS unless the program seeds them)"
+            f"the {', '.join(differs)} RNG state at {what} was set to the recorded one: a new process "
+            "starts with another (the OS seeds them unless the program does), so this is expected and "
+            "needs nothing from you"
         )
 
 
