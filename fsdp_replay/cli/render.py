@@ -31,7 +31,10 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
         con.print(f"command: {' '.join(run.get('command', []))}  (exit code {run.get('exit_code')})")
     _print_findings(con, summary.get("findings") or [])
 
-    t = Table(title="ranks")
+    t = Table(
+        title="ranks",
+        caption="local loss: what this rank passed to backward, per micro-batch (a program may print an average)",
+    )
     for col in (
         "rank",
         "steps",
@@ -42,7 +45,7 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
         "payloads (outputs)",
         "payload steps",
         "stored",
-        "loss first→last",
+        "local loss first→last",
         "end",
     ):
         t.add_column(col)
