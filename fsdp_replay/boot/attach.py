@@ -92,6 +92,11 @@ def activate() -> None:
         return
     if "multiprocessing-fork" in " ".join(sys.argv):
         return  # a multiprocessing child (spawn/forkserver): its parent is the rank
+    redacted = str(getattr(config, "redacted_env", "") or "") if replaying else ""
+    if redacted:
+        from fsdp_replay.replayer import env_watch  # before the program's first line reads one
+
+        env_watch.watch(redacted.split(","))
 
     def on_torch(_module: types.ModuleType) -> None:
         attach(config)

@@ -11,6 +11,7 @@ from typing import Any
 
 from fsdp_replay.errors import ConfigError, ExitCode
 from fsdp_replay.options import env_option
+from fsdp_replay.trace import schema
 from fsdp_replay.trace.layout import (
     RANK_REPORT_FMT,
     REPLAY_PNG,
@@ -54,6 +55,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         report=str(out.absolute()),
         live=args.all_ranks,
         force=args.force,
+        redacted_env=",".join(sorted(k for k, v in (meta.get("env") or {}).items() if v == schema.REDACTED)),
     )
     notes: list[str] = []
     env = launch.replay_env(meta, args.rank, world, args.device, notes)

@@ -31,7 +31,7 @@ from fsdp_replay.agent.entropy import EntropyReplay
 from fsdp_replay.agent.hooks import Hooks
 from fsdp_replay.agent.tape import OpTape
 from fsdp_replay.errors import ExitCode, FsdpReplayError, TraceIncompleteError
-from fsdp_replay.replayer import feed, overlay, restore, verify
+from fsdp_replay.replayer import env_watch, feed, overlay, restore, verify
 from fsdp_replay.replayer.config import ReplayConfig
 from fsdp_replay.replayer.expected import RankRecord
 from fsdp_replay.replayer.fake_pg import completed_work, redirect_to_fake_pg
@@ -435,6 +435,8 @@ class Replayer:
                 )
         with contextlib.suppress(Exception):  # a replay that stopped before its first step
             self.key.at_start()
+        if missed := env_watch.missed():
+            self.notes.append(env_watch.note(missed))
         out = Path(self.config.report)
         if self.live:
             out = out / RANK_REPORT_FMT.format(rank=self.rank)

@@ -29,6 +29,9 @@ class ReplayConfig:
     """All-rank replay: collectives run for real (torchrun) and are compared with the record."""
     force: bool = False
     """Replay although the trace was recorded with another torch (kernels, so bits, may differ)."""
+    redacted_env: str = ""
+    """Comma-separated: the variables the recording redacted, watched from interpreter start
+    (``replayer/env_watch.py``) so the report can name one the program looked up."""
 
     def __post_init__(self) -> None:
         if self.mode != "replay":
@@ -63,4 +66,5 @@ class ReplayConfig:
             ENV_PREFIX + "REPORT": self.report,
             ENV_PREFIX + "LIVE": "1" if self.live else "0",
             ENV_PREFIX + "FORCE": "1" if self.force else "0",
+            ENV_PREFIX + "REDACTED_ENV": self.redacted_env,
         }

@@ -1,7 +1,7 @@
 """Build and run the replay of one rank: the command, its environment, and the checks before it.
 
-The recorded command is the rank's own ``python script args`` (argv, cwd and the allow-listed
-environment from the trace), run as a single process with the agent in replay mode.
+The recorded command is the rank's own ``python script args`` (argv, cwd and the recorded
+environment from the trace, less the machine's own variables), run as a single process with the agent in replay mode.
 """
 
 from __future__ import annotations
@@ -106,15 +106,27 @@ def replay_env(
         if k in LAUNCHER_ENV or k.startswith("TORCHELASTIC_"):
             del env[k]
     recorded = meta.get("env") or {}
+    mine_wins: list[tuple[str, str, str]] = []
     for k, v in recorded.items():
         if v == schema.REDACTED or k.startswith(_DROP_ENV):
             continue
+        if k in schema.ENV_MACHINE or k.startswith(schema.ENV_MACHINE_PREFIXES):
+            continue  # the machine's and the shell's own: the replay's, wherever it runs
         mine = os.environ.get(k)
         if mine is not None and mine != v and k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_"):
-            if notes is not None:
-                notes.append(f"{k}={mine} from your environment is used; the recorded run had {k}={v}")
+            mine_wins.append((k, mine, v))
             continue
         env[k] = v
+    if notes is not None and len(mine_wins) <= 3:
+        notes += [
+            f"{k}={m} from your environment is used; the recorded run had {k}={v}" for k, m, v in mine_wins
+        ]
+    elif notes is not None:
+        listed = "; ".join(f"{k}={m} (recorded {v})" for k, m, v in mine_wins[:20])
+        notes.append(
+            f"{len(mine_wins)} variables from your environment differ from the recording's and were used: "
+            f"{listed}{' ...' if len(mine_wins) > 20 else ''}"
+        )
     env["RANK"], env["WORLD_SIZE"] = str(rank), str(world)
     env.setdefault("LOCAL_RANK", str(meta.get("local_rank", 0) or 0))
     env.setdefault("LOCAL_WORLD_SIZE", "1")

@@ -1,6 +1,6 @@
 """Keep credentials out of traces: traces travel to object stores and to colleagues.
 
-Environment variables are recorded by allow-list (``schema.ENV_ALLOW`` / ``ENV_ALLOW_PREFIXES``);
+Every environment variable is recorded (a program reads its own: a data path, a config switch);
 what is recorded, there and in argv, goes through two kinds of rules, stated for users in
 docs/trace-format.md ("What is redacted"):
 
@@ -186,11 +186,9 @@ def redact_value(value: str) -> str:
 
 # -- env and argv -----------------------------------------------------------------------------
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The allowed subset of env, with secret-looking names and values redacted."""
+    """Every variable of env, with secret-looking names and values redacted."""
     out: dict[str, str] = {}
     for k, v in env.items():
-        if k not in schema.ENV_ALLOW and not k.startswith(schema.ENV_ALLOW_PREFIXES):
-            continue
         out[k] = schema.REDACTED if secret_name(k) else redact_value(v)
     return dict(sorted(out.items()))
 

@@ -90,7 +90,6 @@ from fsdp_replay.trace.events import (
 from fsdp_replay.trace.events import (
     TENSOR_FIELDS as TENSOR_FIELDS,
 )
-from fsdp_replay.trace.numerics import KEY_ENV
 from fsdp_replay.trace.ops import (
     C10D_OPS as C10D_OPS,
 )
@@ -172,34 +171,57 @@ SK64_MIN_BYTES: Final = 64 << 10
 # Collective ops: the table is ops.py. The trace stores the name table per rank (attrs
 # "op_names"), so newer ops need no schema change.
 
-# Environment variables recorded verbatim (after redaction) when set. Exact names, then prefixes.
-ENV_ALLOW: Final = frozenset(
+# Environment variables: every one is recorded (redacted: trace/redact.py). A replay sets them as
+# recorded except these, which belong to the machine and the shell the replay runs in (exact
+# names, then prefixes); the launch's own (RANK, MASTER_*, ...) are handled by replayer/launch.py.
+ENV_MACHINE: Final = frozenset(
     {
-        "WORLD_SIZE",
-        "RANK",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "OMP_NUM_THREADS",
-        "MKL_NUM_THREADS",
-        "PYTHONHASHSEED",
-        "CUBLAS_WORKSPACE_CONFIG",
-        "CUDA_VISIBLE_DEVICES",
-        "CUDA_LAUNCH_BLOCKING",
-        "PYTORCH_CUDA_ALLOC_CONF",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-        "TORCH_DISTRIBUTED_DEBUG",
-        "OPENBLAS_CORETYPE",
-        "OPENBLAS_NUM_THREADS",
-        "PYTHONPATH",
-        "TORCHELASTIC_RUN_ID",
-        *KEY_ENV,  # the replay key's (trace/numerics.py)
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "PWD",
+        "OLDPWD",
+        "SHLVL",
+        "_",
+        "HOSTNAME",
+        "HOST",
+        "TERM",
+        "COLORTERM",
+        "DISPLAY",
+        "MAIL",
+        "TMPDIR",
+        "TEMP",
+        "TMP",
+        "LD_LIBRARY_PATH",
+        "LD_PRELOAD",
+        "PYTHONHOME",
+        "PYTHONSTARTUP",
+        "VIRTUAL_ENV",
+        "LS_COLORS",
+        "EDITOR",
+        "PAGER",
+        "MANPATH",
+        "SESSION_MANAGER",
+        "WINDOWID",
+        "STY",
     }
 )
-ENV_ALLOW_PREFIXES: Final = ("NCCL_", "TORCH_", "CUDNN_", "FSDP_REPLAY_", "GLOO_", "CUBLAS")
+ENV_MACHINE_PREFIXES: Final = (
+    "SSH_",
+    "XDG_",
+    "TERM_",
+    "TMUX",
+    "DBUS_",
+    "CONDA_",
+    "PYENV_",
+    "KUBERNETES_",
+    "GIT_",
+    "LESS",
+    "VSCODE_",
+    "PIP_",
+)
 # What replaces a secret in argv, env and run.json (a URL keeps all but its password). The rules
 # that decide what is a secret are in redact.py and docs/trace-format.md ("What is redacted").
 REDACTED: Final = "<redacted>"

@@ -225,6 +225,25 @@ def test_the_replay_key_names_each_setting_that_differs_and_what_it_means(tmp_pa
         assert code == 0 and doc["status"] == "bit-exact", text
 
 
+def test_the_program_gets_its_recorded_variables_and_a_redacted_one_it_reads_is_named(tmp_path: Path) -> None:
+    script = str(REPO / "tests" / "workloads" / "env_reader.py")
+    data = tmp_path / "data"
+    data.mkdir()
+    env = child_env(FSDPR_TEST_DATA_DIR=str(data), FSDPR_TEST_API_TOKEN="tok-5a1f0c")
+    out = tmp_path / "rec"
+    run([*CLI, "record", "--out", str(out), "--", *torchrun_cmd(2, script, "--steps", "2")], env=env)
+    recorded = Trace.open(out / schema.TRACE_DIR).rank(1).meta["env"]
+    assert (
+        recorded["FSDPR_TEST_DATA_DIR"] == str(data) and recorded["FSDPR_TEST_API_TOKEN"] == schema.REDACTED
+    )
+    doc, text, _ = replay(out, 1, check_code=0)  # this shell has neither variable
+    assert doc["status"] == "bit-exact", text
+    assert any("looked up FSDPR_TEST_API_TOKEN, which the recording redacted" in n for n in doc["notes"]), (
+        text
+    )
+    assert not any("FSDPR_TEST_DATA_DIR" in n for n in doc["notes"]), text
+
+
 def test_a_nan_on_one_rank_is_named_and_replays_bit_for_bit(tmp_path: Path) -> None:
     rec, _ = record(
         tmp_path,

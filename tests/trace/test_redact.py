@@ -267,7 +267,7 @@ def test_name_parts() -> None:
 
 def test_redact_env() -> None:
     env = {
-        "HOME": "/root",  # not on the allow-list: never recorded
+        "HOME": "/root",  # every variable is recorded (a replay leaves the machine's own alone)
         "HF_TOKEN": PREFIXED["hugging face"],
         "MY_SERVICE_TOKEN": "tok-4f1c9e2d7a5b",
         "TORCH_HUB_TOKEN": "hunter2",  # allowed prefix, secret name
@@ -292,8 +292,11 @@ def test_redact_env() -> None:
         "FSDP_REPLAY_API_KEY": R,
         "FSDP_REPLAY_OUT": env["FSDP_REPLAY_OUT"],
         "GLOO_AUTH_KEY": R,
+        "HF_TOKEN": R,
+        "HOME": "/root",
         "MASTER_ADDR": env["MASTER_ADDR"],
         "MASTER_PORT": "29500",
+        "MY_SERVICE_TOKEN": R,
         "NCCL_IB_PASSWORD": R,
         "NCCL_IB_PKEY": "0",
         "NCCL_OTHER_SETTING": R,
@@ -358,7 +361,7 @@ def test_secrets_never_reach_run_json_spools_or_trace(tmp_path: Path) -> None:
         "TORCH_HUB_TOKEN": "hubtok-4123-env",  # allow-listed prefix, secret name
         "NCCL_FSDP_REPLAY_TEST_SETTING": PREFIXED["hugging face"],  # allow-listed, secret value
         "TORCH_HOME": "https://alice:envpw-5099@example.invalid/cache",  # URL password
-        "MY_SERVICE_PASSWORD": "notallowed-6180-env",  # not allow-listed at all
+        "MY_SERVICE_PASSWORD": "notallowed-6180-env",  # a secret name anywhere
     }
     script_args = [
         *(a for kv in secret_args.items() for a in kv),
@@ -423,7 +426,7 @@ def test_secrets_never_reach_run_json_spools_or_trace(tmp_path: Path) -> None:
         assert meta["env"]["TORCH_HUB_TOKEN"] == R
         assert meta["env"]["NCCL_FSDP_REPLAY_TEST_SETTING"] == R
         assert meta["env"]["TORCH_HOME"] == f"https://alice:{R}@example.invalid/cache"
-        assert "MY_SERVICE_PASSWORD" not in meta["env"]
+        assert meta["env"]["MY_SERVICE_PASSWORD"] == schema.REDACTED
         assert R in " ".join(meta["orig_argv"])
     command = json.loads((out / "run.json").read_text())["command"]
     assert command[command.index("--wandb-key") + 1] == R
