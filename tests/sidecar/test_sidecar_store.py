@@ -174,3 +174,60 @@ def test_a_hung_job_is_collected_while_it_hangs_and_desync_reads_the_store(tmp_p
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(timeout=60)
         sidecar.wait(timeout=120)
+
+
+def test_the_sidecar_killed_mid_run_and_restarted_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    out, store = tmp_path / "run", tmp_path / "store" / "trace.zarr"
+    steps = ("--steps", "10", "--sleep-per-step", "0.5")
+    job = subprocess.Popen(
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(out),
+            "--no-collect",
+            "--",
+            *torchrun_cmd(
+                2, EXAMPLE, "--save-params", str(tmp_path / "params-{rank}.pt"), *SMALL[2:], *steps
+            ),
+        ],
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+    def start(log: Path) -> subprocess.Popen[str]:
+        args = ("--no-ebpf", "--mode", "container", "--poll-interval-s", "0.2", "--exit-quiet-s", "2")
+        cmd = sidecar_cmd(out, free_port(), *args, "--collect-interval-s", "1", "--store", str(store))
+        with open(log, "w") as err:
+            return subprocess.Popen(cmd, stderr=err, text=True, env=sidecar_env())
+
+    first, second = tmp_path / "sidecar-1.log", tmp_path / "sidecar-2.log"
+    try:
+        sidecar = start(first)
+        wait_for(
+            "a collection while the job runs",
+            lambda: "trace collected into" in first.read_text() or None,
+            180,
+        )
+        sidecar.kill()  # no chance to finish anything it was writing
+        sidecar.wait(timeout=60)
+        assert job.poll() is None, "the job ended before the sidecar was killed: nothing was mid-run"
+        sidecar = start(second)
+        assert job.wait(timeout=300) == 0
+        assert sidecar.wait(timeout=180) == 0, second.read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, 9)
+    text = second.read_text()
+    assert f"trace collected into {store} (2 ranks" in text, text[-3000:]
+    assert not list((out / "spool").glob("rank-*")), text[-3000:]  # deleted once the store held them whole
+    summary = json.loads(run([*CLI, "inspect", str(store), "--json"]).stdout)
+    for r in summary["per_rank"]:  # every step and collective the agents counted, once
+        assert r["steps"] == 10 and r["complete"], r
+        assert r["collectives"] == r["end"]["colls"], (r["collectives"], r["end"])
+    assert run([*CLI, "inspect", str(store), "--verify"]).returncode == 0
+    report = tmp_path / "replay-1"
+    proc = run([*CLI, "replay", str(store), "--rank", "1", "--report", str(report)], check=False)
+    assert proc.returncode == 0 and "rank 1: BIT-EXACT over steps 0..9" in proc.stdout, proc.stdout[-2000:]
