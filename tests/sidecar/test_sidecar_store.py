@@ -3,7 +3,9 @@
 A 2-rank run is recorded with ``--no-collect`` (in a pod, the sidecar collects). The sidecar runs
 first while the store is down: the collection fails, is counted, and every spool is kept. With the
 store up, a second sidecar collects into ``s3://``, reads the trace back whole and deletes the
-spools; ``inspect`` and ``replay --rank 1`` then read the trace from the store (BIT-EXACT).
+spools; ``inspect`` and ``replay --rank 1`` then read the trace from the store (BIT-EXACT). The
+sidecar SIGKILLed mid-run and restarted, and a store on a full disk (a 256 kB tmpfs), lose nothing
+and duplicate nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_support import free_port, sidecar_cmd, sidecar_env, wait_for
+from daemon_support import free_port, sidecar_cmd, sidecar_env, wait_for, wait_metrics
 from harness import CLI, EXAMPLE, child_env, run, torchrun_cmd
 
 pytestmark = pytest.mark.slow
@@ -231,3 +233,69 @@ def test_the_sidecar_killed_mid_run_and_restarted_loses_and_duplicates_nothing(t
     report = tmp_path / "replay-1"
     proc = run([*CLI, "replay", str(store), "--rank", "1", "--report", str(report)], check=False)
     assert proc.returncode == 0 and "rank 1: BIT-EXACT over steps 0..9" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("mounting a tmpfs failed here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_store_disk_keeps_every_spool_counts_the_failure_and_a_later_store_gets_it_all(
+    tmp_path: Path, full_disk: Path
+) -> None:
+    import signal
+
+    out = tmp_path / "run"
+    job = subprocess.Popen(
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(out),
+            "--no-collect",
+            "--",
+            *torchrun_cmd(2, EXAMPLE, *SMALL[2:], "--steps", "8", "--sleep-per-step", "0.5"),
+        ],
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    port = free_port()
+    log = tmp_path / "sidecar-full.log"
+    with open(log, "w") as err:
+        args = ("--no-ebpf", "--poll-interval-s", "0.2", "--collect-interval-s", "1")
+        cmd = sidecar_cmd(out, port, *args, "--store", str(full_disk / "trace.zarr"))
+        sidecar = subprocess.Popen(cmd, stderr=err, text=True, env=sidecar_env())
+    try:
+        failures = "fsdp_replay_store_collection_failures_total"
+        got = wait_metrics(port, "a failed collection", lambda s: s.get((failures, frozenset()), 0) >= 1, 180)
+        assert got.get(("fsdp_replay_store_collections_total", frozenset()), 0) == 0
+        assert job.wait(timeout=300) == 0
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        sidecar.wait(timeout=120)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, 9)
+    text = log.read_text()
+    assert "failed (the spools are kept" in text and "No space left on device" in text, text[-3000:]
+    assert sorted(p.name for p in (out / "spool").glob("rank-*")) == ["rank-00000", "rank-00001"]
+
+    store = tmp_path / "store" / "trace.zarr"  # room again: the next collection gets all of it
+    done = _sidecar(out, str(store), sidecar_env())
+    assert done.returncode == 0 and f"trace collected into {store} (2 ranks" in done.stderr, done.stderr[
+        -3000:
+    ]
+    summary = json.loads(run([*CLI, "inspect", str(store), "--json"]).stdout)
+    for r in summary["per_rank"]:
+        assert r["steps"] == 8 and r["complete"] and r["collectives"] == r["end"]["colls"], r
+    assert not list((out / "spool").glob("rank-*"))
