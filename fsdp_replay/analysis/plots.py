@@ -24,7 +24,19 @@ def plot_drift(result: dict[str, Any], path_png: str) -> str:
         marker = "." if len(steps) <= 200 else None
         ax1.plot(steps, d["params_differing"], marker=marker, label=f"rank {pr['rank']}")
         loss = [x if (x is not None and math.isfinite(x)) else float("nan") for x in d["loss_abs_diff"]]
-        ax2.plot(steps, loss, marker=marker, label=f"rank {pr['rank']}")
+        line = ax2.plot(steps, loss, marker=marker, label=f"rank {pr['rank']}")[0]
+        bad = [
+            s for s, x in zip(steps, d["loss_abs_diff"], strict=False) if x is None or not math.isfinite(x)
+        ]
+        if bad:  # a NaN or Inf difference is drawn as such, at the top, not left out or drawn as 0
+            ax2.scatter(
+                bad,
+                [0.95] * len(bad),
+                marker="x",
+                color=line.get_color(),
+                transform=ax2.get_xaxis_transform(),
+                label=f"rank {pr['rank']}: non-finite",
+            )
         first = pr.get("first")
         if first is not None:
             for ax in (ax1, ax2):
