@@ -21,7 +21,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     summary = summarize(trace, ranks)
     from fsdp_replay.analysis.findings import findings
 
-    summary["findings"] = findings(trace, summary, args.trace, ranks)
+    try:
+        summary["findings"] = findings(trace, summary, args.trace, ranks)
+    except Exception as e:  # the summary stands on its own: a trace the analyses cannot read still gets it
+        summary["findings"] = [
+            {
+                "kind": "analysis_error",
+                "severity": "warning",
+                "rank": None,
+                "step": None,
+                "seq": None,
+                "op": None,
+                "message": f"the NaN, desync and hang analyses could not run on this trace: {e}",
+                "next": f"fsdp-replay inspect {args.trace} --verify",
+            }
+        ]
     if args.verify:
         from fsdp_replay.trace.scrub import scrub
 
