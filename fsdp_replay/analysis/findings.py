@@ -51,7 +51,8 @@ def findings(
                 op=origin.get("op"),
             )
         )
-    if len(trace.ranks) > 1 or summary.get("missing_ranks"):
+    if (ranks is None or len(ranks) > 1) and (len(trace.ranks) > 1 or summary.get("missing_ranks")):
+        # (one rank chosen with --rank: its peers' records are not looked at, so no desync is claimed)
         rep = desync_report(trace, ranks)
         mm = rep["first_mismatch"]
         if mm is not None:
