@@ -87,6 +87,16 @@ def findings(
             )
     for r in summary["per_rank"]:
         out += _rank_findings(r, q)
+    code = (summary.get("run") or {}).get("exit_code")
+    if code not in (None, 0) and not any(f["kind"] == "ended" and f["severity"] == PROBLEM for f in out):
+        out.append(
+            _finding(
+                "ended",
+                PROBLEM,
+                f"the recorded command exited with code {code}, although every rank's record ends cleanly",
+                f"fsdp-replay inspect {q} --verbose",
+            )
+        )
     if summary.get("missing_ranks"):
         out.append(
             _finding(
