@@ -16,6 +16,7 @@ from typing import Any
 
 from fsdp_replay.errors import ReplayMismatchError, TraceFormatError
 from fsdp_replay.trace import schema
+from fsdp_replay.trace.numerics import KEY_ENV, NCCL_ENV
 from fsdp_replay.trace.reader import Trace
 
 # Recorded variables that must not be carried into the replay: the old launch's rendezvous, files
@@ -33,6 +34,7 @@ _DROP_ENV = (
 # framework that reads them (Lightning, accelerate, HF) computes the rank, world and local rank
 # it computed in the recording. Set by the replay when the recording lacks them (a plain
 # `python script.py` that calls init_process_group with explicit ranks).
+_NUMERICS_ENV = frozenset({*KEY_ENV, *NCCL_ENV, "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED"})
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 
 
@@ -117,16 +119,20 @@ def replay_env(
             mine_wins.append((k, mine, v))
             continue
         env[k] = v
-    if notes is not None and len(mine_wins) <= 3:
+    # the ones that change numerics first (a thread count, the replay key's variables)
+    mine_wins.sort(key=lambda x: (x[0] not in _NUMERICS_ENV, x[0]))
+    if notes is not None:
         notes += [
-            f"{k}={m} from your environment is used; the recorded run had {k}={v}" for k, m, v in mine_wins
+            f"{k}={m} from your environment is used; the recorded run had {k}={v}"
+            for k, m, v in mine_wins[:8]
         ]
-    elif notes is not None:
-        listed = "; ".join(f"{k}={m} (recorded {v})" for k, m, v in mine_wins[:20])
-        notes.append(
-            f"{len(mine_wins)} variables from your environment differ from the recording's and were used: "
-            f"{listed}{' ...' if len(mine_wins) > 20 else ''}"
-        )
+        if len(mine_wins) > 8:
+            rest = [k for k, _, _ in mine_wins[8:]]
+            notes.append(
+                f"{len(rest)} more variables from your environment differ from the recording's and were used: "
+                + ", ".join(rest[:40])
+                + (" ..." if len(rest) > 40 else "")
+            )
     env["RANK"], env["WORLD_SIZE"] = str(rank), str(world)
     env.setdefault("LOCAL_RANK", str(meta.get("local_rank", 0) or 0))
     env.setdefault("LOCAL_WORLD_SIZE", "1")

@@ -18,14 +18,19 @@ SMALL = ("--layers", "2", "--d-model", "64", "--seq-len", "32")
 
 
 def replay(
-    run_dir: Path, rank: int, *args: str, command: tuple[str, ...] = (), check_code: int | None = None
+    run_dir: Path,
+    rank: int,
+    *args: str,
+    command: tuple[str, ...] = (),
+    check_code: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[dict, str, int]:
     report = run_dir / f"report-{rank}-{'-'.join(a.strip('-') for a in args) or 'all'}"
     shutil.rmtree(report, ignore_errors=True)
     cmd = [*CLI, "replay", str(run_dir), "--rank", str(rank), "--report", str(report), *args]
     if command:
         cmd += ["--", *command]
-    proc = run(cmd, check=False)
+    proc = run(cmd, check=False, env=env)
     if check_code is not None:
         assert proc.returncode == check_code, proc.stdout[-3000:] + proc.stderr[-5000:]
     doc = json.loads((report / "report.json").read_text()) if (report / "report.json").is_file() else {}
@@ -73,7 +78,8 @@ def test_object_collectives_and_receive_buffers_replay_bit_exact_and_a_real_diff
         assert doc["status"] == "bit-exact", out
     proc = run([*CLI, "diff", str(runs["a"]), str(runs["b"])], check=False)
     assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout + proc.stderr
-    doc, out, _ = replay(runs["planted"], 0, check_code=1)  # rank 0 sent other objects than recorded
+    # the replay sends other objects than recorded: this shell's PLANT_OBJECT="" wins over the recorded 1
+    doc, out, _ = replay(runs["planted"], 0, check_code=1, env=child_env(PLANT_OBJECT=""))
     first = doc["first_divergence"]
     assert (first["op"], first["tensor"], first["seq"]) == ("broadcast_", "objects sent", 0), out
     assert "differ from the recorded ones" in json.dumps(first)
