@@ -6,12 +6,15 @@ only one module named ``conftest`` at a time. ``pyproject.toml`` puts ``tests/``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_fsdp.py"
@@ -122,3 +125,18 @@ def training_ranks(root: Any) -> list[Any]:
             continue
     pids = {p.pid for p in found}
     return [p for p in found if p.ppid() not in pids]
+
+
+@contextlib.contextmanager
+def small_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (mount's syntax: "3m", "256k") at ``mnt``: a disk that fills up.
+    Skips the test where it cannot be mounted (not root, or no mount here)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("mounting a tmpfs failed here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -21,7 +21,7 @@ from fsdp_replay.trace.reader import Trace
 PROBLEM, WARNING, INFO = "problem", "warning", "info"
 
 
-def _finding(
+def finding(
     kind: str, severity: str, message: str, next_cmd: str | None = None, **where: Any
 ) -> dict[str, Any]:
     out = {"kind": kind, "severity": severity, "rank": None, "step": None, "seq": None, "op": None}
@@ -40,7 +40,7 @@ def findings(
     origin = nonfinite_origin(trace, ranks)
     if origin is not None:
         out.append(
-            _finding(
+            finding(
                 "nonfinite",
                 PROBLEM,
                 origin["message"],
@@ -59,7 +59,7 @@ def findings(
             entry = next((e for e in mm["entries"].values() if e), None) or {}
             suspects = mm.get("suspects") or []
             out.append(
-                _finding(
+                finding(
                     "desync",
                     PROBLEM,
                     mm["message"],
@@ -74,7 +74,7 @@ def findings(
             stuck = [pr for pr in rep["ranks"] if pr["in_flight"]]
             first = stuck[0]["in_flight"]
             out.append(
-                _finding(
+                finding(
                     "hang",
                     PROBLEM,
                     rep["message"],
@@ -90,7 +90,7 @@ def findings(
     code = (summary.get("run") or {}).get("exit_code")
     if code not in (None, 0) and not any(f["kind"] == "ended" and f["severity"] == PROBLEM for f in out):
         out.append(
-            _finding(
+            finding(
                 "ended",
                 PROBLEM,
                 f"the recorded command exited with code {code}, although every rank's record ends cleanly",
@@ -99,7 +99,7 @@ def findings(
         )
     if summary.get("missing_ranks"):
         out.append(
-            _finding(
+            finding(
                 "ended",
                 PROBLEM,
                 f"ranks {summary['missing_ranks']} of the world of {summary['world_size']} left no record "
@@ -111,7 +111,7 @@ def findings(
         done = ", ".join(f"rank {r['rank']}: {r['steps']} steps" for r in summary["per_rank"][:8])
         out.insert(
             0,
-            _finding(
+            finding(
                 "ok",
                 INFO,
                 f"every rank finished recording cleanly ({done}); no non-finite value, desync or hang",
@@ -131,7 +131,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
     end = r.get("end")
     if end is None:
         out.append(
-            _finding(
+            finding(
                 "ended",
                 PROBLEM,
                 f"rank {rank} did not finish recording (killed or crashed) after {r['steps']} steps",
@@ -143,7 +143,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
     else:
         if end.get("exception"):
             out.append(
-                _finding(
+                finding(
                     "ended",
                     PROBLEM,
                     f"rank {rank} ended with an uncaught exception after {r['steps']} steps: "
@@ -155,7 +155,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
             )
         elif end.get("reason") not in (None, "exit"):
             out.append(
-                _finding(
+                finding(
                     "ended",
                     PROBLEM,
                     f"rank {rank} was stopped by {end['reason']} after {r['steps']} steps",
@@ -167,7 +167,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
     counters = (end or {}).get("counters") or {}
     if counters.get("blobs_dropped"):
         out.append(
-            _finding(
+            finding(
                 "payloads_dropped",
                 WARNING,
                 f"rank {rank}: {counters['blobs_dropped']} payloads were dropped while recording (disk full or "
@@ -178,7 +178,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
         )
     for e in r.get("agent_errors") or []:
         out.append(
-            _finding(
+            finding(
                 "agent_error",
                 WARNING,
                 f"rank {rank}: the agent stopped recording at {e.get('where')}: {e.get('message')}; the record "
@@ -189,7 +189,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
         )
     for d in r.get("damage") or []:
         out.append(
-            _finding(
+            finding(
                 "damage",
                 WARNING,
                 f"rank {rank}: damaged spool skipped when collected: {d}",
@@ -199,7 +199,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
         )
     if (r.get("attempts") or 0) > 1:
         out.append(
-            _finding(
+            finding(
                 "restarted",
                 INFO,
                 f"rank {rank} started recording {r['attempts']} times (a launcher restarted it); the record holds every attempt",
@@ -210,7 +210,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
     compiled = r.get("compiled")
     if compiled and compiled.get("nondeterministic"):
         out.append(
-            _finding(
+            finding(
                 "compiled",
                 INFO,
                 f"rank {rank} ran Inductor kernels doing nondeterministic ops' work "

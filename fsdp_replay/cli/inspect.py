@@ -19,22 +19,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     trace = Trace.open(resolve_trace(args.trace))
     ranks = [args.rank] if args.rank is not None else None
     summary = summarize(trace, ranks)
-    from fsdp_replay.analysis.findings import findings
+    from fsdp_replay.analysis.findings import finding, findings
 
     try:
         summary["findings"] = findings(trace, summary, args.trace, ranks)
     except Exception as e:  # the summary stands on its own: a trace the analyses cannot read still gets it
+        why = f"the NaN, desync and hang analyses could not run on this trace: {e}"
         summary["findings"] = [
-            {
-                "kind": "analysis_error",
-                "severity": "warning",
-                "rank": None,
-                "step": None,
-                "seq": None,
-                "op": None,
-                "message": f"the NaN, desync and hang analyses could not run on this trace: {e}",
-                "next": f"fsdp-replay inspect {args.trace} --verify",
-            }
+            finding("analysis_error", "warning", why, f"fsdp-replay inspect {args.trace} --verify")
         ]
     if args.verify:
         from fsdp_replay.trace.scrub import scrub

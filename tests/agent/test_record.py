@@ -23,6 +23,7 @@ from harness import (
     child_env,
     record,
     run,
+    small_tmpfs,
     torchrun_cmd,
     train,
     training_ranks,
@@ -354,16 +355,8 @@ def test_a_hang_killed_with_sigkill_still_shows_where_each_rank_waited(tmp_path:
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 3 MiB tmpfs: a disk that fills up during a recording."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("mounting a tmpfs failed here")
-    try:
+    with small_tmpfs(tmp_path / "disk", "3m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_disk_drops_payloads_first_and_keeps_every_event(tmp_path: Path, tiny_disk: Path) -> None:

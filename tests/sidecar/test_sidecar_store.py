@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from daemon_support import free_port, sidecar_cmd, sidecar_env, wait_for, wait_metrics
-from harness import CLI, EXAMPLE, child_env, run, torchrun_cmd
+from harness import CLI, EXAMPLE, child_env, run, small_tmpfs, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 BUCKET = "traces"
@@ -237,16 +237,8 @@ def test_the_sidecar_killed_mid_run_and_restarted_loses_and_duplicates_nothing(t
 
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("mounting a tmpfs failed here")
-    try:
+    with small_tmpfs(tmp_path / "small", "256k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_store_disk_keeps_every_spool_counts_the_failure_and_a_later_store_gets_it_all(

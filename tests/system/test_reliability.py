@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import CLI, EXAMPLE, REPO, child_env, record, run, torchrun_cmd, training_ranks
+from harness import CLI, EXAMPLE, REPO, child_env, record, run, small_tmpfs, torchrun_cmd, training_ranks
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
@@ -284,16 +284,8 @@ def test_one_ranks_bad_segment_header_spares_the_other_ranks(recorded: Path, tmp
 # -- 8. a full disk keeps the exit code and says what was dropped ------------------------------
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("mounting a tmpfs failed here")
-    try:
+    with small_tmpfs(tmp_path / "disk", "3m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_disk_keeps_the_commands_exit_code_and_names_what_was_dropped(
