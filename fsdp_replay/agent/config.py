@@ -78,6 +78,13 @@ def _non_negative(var: str, raw: str) -> int:
     return options.parse_int(var, raw, minimum=0)
 
 
+def parse_alloc_history(var: str, raw: str) -> StepSet:
+    """``off`` | ``always`` | ``steps:SPEC`` (and StepSet's ``none``/``all``); no window."""
+    if raw.strip().startswith("window:"):
+        raise ConfigError(f"{var}={raw!r}: use off, always or steps:SPEC")
+    return _step_set(var, {"off": "none", "always": "all"}.get(raw.strip(), raw))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RecordConfig:
     """What the agent records, read from ``FSDP_REPLAY_*`` by ``from_env`` (``record`` writes them)."""
@@ -111,6 +118,13 @@ class RecordConfig:
     fingerprints only, so a replay names the kernel where it differs instead of injecting."""
     tape_ops: str = ""
     """More ops to tape, on the CPU and CUDA keys: ``ns::op,ns2::other`` (a custom kernel's)."""
+    alloc_history: StepSet = field(default_factory=lambda: StepSet(((0, 1),)))
+    """CUDA: steps whose caching-allocator actions (allocations, frees, segments) are recorded from
+    torch's allocator history (``off``, ``always``, ``steps:SPEC``); a few ms at each such step's end
+    on a large model (``agent/allocations.py``). Counters per step and an OOM's snapshot: always."""
+    alloc_stacks: bool = False
+    """CUDA: with ``alloc_history``, also record each allocation's Python stack (torch's, ~2 us per
+    allocation), so that a row names the line of the program that allocated it."""
     cxx_kernel_lib: str = ""
     """The C++ kernel library (``agent/cxx/kernel.py``) that records the hot CPU collectives, or empty."""
     inject_fault: str = ""
@@ -141,6 +155,7 @@ class RecordConfig:
                 "op_fingerprints": _step_set,
                 "snapshot_every": _non_negative,
                 "reserve_bytes": _non_negative,
+                "alloc_history": parse_alloc_history,
             },
         )
         return config
@@ -160,6 +175,8 @@ class RecordConfig:
             ENV_PREFIX + "RESERVE_BYTES": str(self.reserve_bytes),
             ENV_PREFIX + "TAPE": "1" if self.tape else "0",
             ENV_PREFIX + "TAPE_OPS": self.tape_ops,
+            ENV_PREFIX + "ALLOC_HISTORY": str(self.alloc_history),
+            ENV_PREFIX + "ALLOC_STACKS": "1" if self.alloc_stacks else "0",
             **(
                 {ENV_PREFIX + "TAPE_PAYLOADS": str(self.tape_payloads)}
                 if self.tape_payloads is not None

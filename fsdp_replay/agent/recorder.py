@@ -104,6 +104,8 @@ class Recorder:
         )
         self.compiled.install()
         self.ops: OpRecorder | None = None
+        self.micro_ends: list[int] = []  # when this step's backward() calls returned (t_ns)
+        self.memory: Any = None  # agent/allocations.py's MemoryRecorder, once CUDA is initialized
         if not config.op_fingerprints.empty:
             self.ops = OpRecorder(
                 config.op_fingerprints, lambda: self.state.pos.step, self._ensure_started, self.fail
@@ -303,6 +305,12 @@ class Recorder:
         if self.collectives.deferred or self.kernel is not None:
             with contextlib.suppress(Exception):
                 self.collectives.complete_deferred(force=True)
+        if self.memory is not None:
+            try:
+                exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+                self.memory.finish(exc, self.micro_ends)
+            except Exception as e:
+                self.fail("CUDA allocator at the end", e)
         self.states.write_modules(w)
         self._write_files(w)
         w.event(
@@ -334,7 +342,16 @@ class Recorder:
             w.event({"type": schema.EV_COMPILED, **ran})
 
     # -- steps --------------------------------------------------------------------------------
+    def _watch_memory(self) -> None:
+        """Start watching the CUDA caching allocator once the program has initialized CUDA."""
+        if self.memory is None and torch.cuda.is_initialized():
+            from fsdp_replay.agent.allocations import MemoryRecorder
+
+            self.memory = MemoryRecorder(self.config, self.state, self._ensure_started, self.fail)
+            self.memory.start(self.state.pos.step)
+
     def on_step_begin(self, opt: torch.optim.Optimizer) -> None:
+        self._watch_memory()
         if self.primary is None:
             self.primary = weakref.ref(opt)
             self._ensure_started()
@@ -363,8 +380,12 @@ class Recorder:
                 "t_ns": st.t_ns(),
                 "cpu_ns": [agent_cpu, w.cpu_ns()],
                 "counters": counters(st, w, agent_cpu),
+                "micro_t_ns": self.micro_ends,
             }
         )
+        if self.memory is not None:  # after the step's own fingerprints: their memory is the step's
+            self.memory.step_end(st.pos.step, self.micro_ends)
+        self.micro_ends = []
         self._write_files(w)
         if (flags := self.flag_watch.changed()) is not None:
             w.event({"type": schema.EV_NUMERICS, "step": st.pos.step, "flags": flags})
@@ -385,6 +406,7 @@ class Recorder:
         every = self.config.snapshot_every
         if every and step % every == 0:
             self._snapshot(opt)
+        self._watch_memory()
         if self.config.sync_steps:
             self._sync_step(w, opt)
 
@@ -428,6 +450,7 @@ class Recorder:
 
     def after_backward(self) -> None:
         self.state.pos.micro += 1
+        self.micro_ends.append(self.state.t_ns())
 
     def on_batch(self, iterator: Any, batch: Any) -> None:
         if self.tape is not None and self.tape.pending:
@@ -436,6 +459,7 @@ class Recorder:
         self.batch_recorder.on_batch(iterator, batch)
 
     def on_root_forward(self, module: torch.nn.Module) -> None:
+        self._watch_memory()  # before the first step's forward allocates
         if all(r() is not module for r in self.roots):
             self.roots.append(weakref.ref(module))
             if self.tap is not None:

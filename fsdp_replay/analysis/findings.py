@@ -3,7 +3,7 @@ command to run next.
 
 A finding is ``{"kind", "severity", "rank", "step", "seq", "op", "message", "next"}``: ``kind``
 one of "ended", "nonfinite", "desync", "hang", "payloads_dropped", "agent_error", "damage",
-"restarted", "compiled", "ok"; ``severity`` "problem" (the run failed there), "warning" (the
+"restarted", "compiled", "oom", "ok"; ``severity`` "problem" (the run failed there), "warning" (the
 record or a replay is weaker for it) or "info"; ``rank``/``step``/``seq``/``op`` where they
 apply (None otherwise); ``next`` the command line to run, with ``RUN`` as the user named it.
 Problems come first, in the order they happened.
@@ -15,6 +15,7 @@ import shlex
 from typing import Any
 
 from fsdp_replay.analysis.desync import desync_report
+from fsdp_replay.analysis.memory import oom_message
 from fsdp_replay.analysis.nonfinite import nonfinite_origin
 from fsdp_replay.trace.reader import Trace
 
@@ -164,6 +165,18 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
                     step=max(r["steps"] - 1, 0),
                 )
             )
+    for i, oom in enumerate((r.get("memory") or {}).get("ooms") or []):
+        out.append(
+            finding(
+                "oom",
+                PROBLEM,
+                oom_message(rank, oom),
+                f"fsdp-replay export --memory-snapshot {q} --rank {rank} --oom {i} -o oom-{rank}.pickle "
+                f"(drag it onto pytorch.org/memory_viz); fsdp-replay export --perfetto {q} -o timeline.json",
+                rank=rank,
+                step=oom.get("step"),
+            )
+        )
     counters = (end or {}).get("counters") or {}
     if counters.get("blobs_dropped"):
         out.append(

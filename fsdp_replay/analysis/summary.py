@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_replay.analysis.memory import memory_summary
 from fsdp_replay.errors import TraceFormatError
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import RankTrace, Trace
@@ -77,6 +78,7 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
         "payload_missing": r.attrs.get("payload_missing", 0),
         "attempts": r.attrs.get("attempts", 0),
         "recording_cost": recording_cost(r),
+        "memory": memory_summary(r),
         "environment": {
             "argv": meta.get("argv"),
             "cwd": meta.get("cwd"),

@@ -42,7 +42,7 @@ def _cxx_kernel() -> str:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from fsdp_replay.agent.config import RecordConfig, StepSet
+    from fsdp_replay.agent.config import RecordConfig, StepSet, parse_alloc_history
     from fsdp_replay.cli.launch import agent_env, run_command
     from fsdp_replay.trace.redact import redact_argv
 
@@ -71,6 +71,8 @@ def cmd_record(args: argparse.Namespace) -> int:
         tape=args.tape,
         tape_ops=args.tape_ops,
         tape_payloads=StepSet.parse(args.tape_payloads) if args.tape_payloads else None,
+        alloc_history=parse_alloc_history("--alloc-history", args.alloc_history),
+        alloc_stacks=args.alloc_stacks,
         cxx_kernel_lib=_cxx_kernel() if _wants_cxx_kernel(args) else "",
     )
     out.mkdir(parents=True, exist_ok=True)
@@ -314,6 +316,21 @@ def register(sub: Any) -> None:
         "--tape-payloads",
         help="steps whose taped results are stored: none, all, steps:SPEC (default: as --payloads; none keeps "
         "fingerprints only, and a replay then names the kernel where it differs)",
+    )
+    env_option(
+        r,
+        "--alloc-history",
+        default=str(defaults.alloc_history),
+        help="CUDA: steps whose caching-allocator actions (allocations, frees, segments, with sizes, streams "
+        "and addresses) go into the trace, from torch's allocator history: off, always, steps:SPEC (a few ms "
+        "at each such step's end on a large model); counters per step and an OOM's snapshot are always kept",
+    )
+    env_option(
+        r,
+        "--alloc-stacks",
+        kind="flag",
+        help="CUDA: also record each allocation's Python stack in those steps (~2 us per allocation), so "
+        "that each allocation names the program line that made it",
     )
     env_option(r, "--no-collect", kind="flag", help="leave the spools; build the trace later with `collect`")
     env_option(

@@ -96,6 +96,7 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
                 f"{r['tape']['with_payload']}/{r['tape']['outputs']}",
             )
         con.print(tape)
+    _print_memory(con, summary["per_rank"])
 
     for r in summary["per_rank"]:
         for d in r["damage"]:
@@ -159,6 +160,42 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
             con.print("determinism:", det)
             if env.get("numerics"):
                 con.print("replay key:", env["numerics"])
+
+
+def _print_memory(con: Any, per_rank: list[dict[str, Any]]) -> None:
+    """The CUDA caching allocator per step, and the largest allocations recorded (format 4)."""
+    from rich.table import Table
+
+    ranks = [r for r in per_rank if r.get("memory") and r["memory"]["steps"]]
+    if not ranks:
+        return
+    t = Table(title="CUDA memory per step: torch's counters at the step's end (peaks since start or reset)")
+    for col in ("rank", "step", "allocated", "reserved", "peak alloc.", "peak resv.", "retries", "actions"):
+        t.add_column(col)
+    for r in ranks:
+        rows = r["memory"]["steps"]
+        shown = rows if len(rows) <= 12 else [*rows[:6], None, *rows[-5:]]
+        for s in shown:
+            if s is None:
+                t.add_row("", "…", "", "", "", "", "", "")
+                continue
+            t.add_row(
+                str(r["rank"]),
+                str(s["step"]),
+                _mb(s["allocated_end"]),
+                _mb(s["reserved_end"]),
+                _mb(s["allocated_peak"]),
+                _mb(s["reserved_peak"]),
+                str(s["alloc_retries"]),
+                "-" if s["history"] < 0 else str(s["history"]),
+            )
+    con.print(t)
+    for r in ranks:
+        for a in r["memory"]["largest"][:3]:
+            con.print(
+                f"rank {r['rank']}: allocation of {_mb(a['bytes'])} at step {a['step']} micro {a['micro']}"
+                + (f" ({a['site']})" if a["site"] else "")
+            )
 
 
 _MARK = {"problem": "[red]PROBLEM[/red]", "warning": "[yellow]warning[/yellow]", "info": "[green]ok[/green]"}

@@ -30,6 +30,8 @@ EV_URANDOM: Final = "urandom"
 EV_NUMERICS: Final = "numerics"
 EV_COMPILED: Final = "compiled"
 EV_OP_FP: Final = "aop"
+EV_MEMORY: Final = "memory"
+EV_OOM: Final = "oom"
 EV_END: Final = "end"
 
 
@@ -135,6 +137,8 @@ class Step(_Step, total=False):
     """``[agent hooks, writer]``: cumulative CPU ns recording has cost the rank."""
     counters: dict[str, int]
     """The agent's counters so far (``agent/counters.py``), for the sidecar's metrics."""
+    micro_t_ns: list[int]
+    """When each of the step's ``backward()`` calls returned (format 4): the micro-steps' ends."""
 
 
 class Rng(TypedDict):
@@ -272,6 +276,55 @@ class KernelOp(TypedDict):
     tensors: list[Tensor]
 
 
+class _Memory(TypedDict):
+    type: str
+    step: int
+    device: int
+    """The CUDA device index whose allocator this is (the rank's current device)."""
+    stats: dict[str, int]
+    """torch's allocator counters at the step's end (``agent/allocations.py`` STATS)."""
+
+
+class Memory(_Memory, total=False):
+    """The CUDA caching allocator during one step (format 4; ``agent/allocations.py``)."""
+
+    actions: list[list[int]]
+    """The allocator's actions in a history step, in order: ``[micro, t_ns, action, addr, bytes,
+    stream, device, site]`` (action: ``ALLOC_ACTION_CODES``; site: index into ``sites`` or -1)."""
+    sites: list[str]
+    full: bool
+    """The step had more actions than torch's ring holds: its earliest are missing."""
+    base: dict[str, int]
+    """``{"requested", "reserved"}`` bytes when the step's history began."""
+    moved: bool
+    """torch's counters moved while the history was read and cleared at the step's end (another
+    thread allocated or freed): those actions are in no step's ``actions``."""
+    error: str
+    """Why this process records no allocator history."""
+    final: bool
+    """Written at the end of recording for the step in progress (its actions; no step ended)."""
+
+
+class Oom(TypedDict):
+    """The CUDA caching allocator could not allocate (format 4): its snapshot at that moment."""
+
+    type: str
+    step: int
+    micro: int
+    t_ns: int
+    device: int
+    requested: int
+    """Bytes asked for (-1: not known, when seen only as the uncaught exception at exit)."""
+    device_total: int
+    """The device's memory, or the allowed part of it (``set_per_process_memory_fraction``)."""
+    device_free: int
+    """What the driver reported free."""
+    stats: dict[str, int]
+    blob: int
+    """The blob of ``torch.cuda.memory._snapshot()`` as JSON, or ``NO_BLOB`` past the first few."""
+    nbytes: int
+
+
 class Alive(TypedDict):
     type: str
     seq: int
@@ -312,6 +365,8 @@ EVENT_TYPES: Final[dict[str, Any]] = {
     EV_OP_FP: OpFp,
     EV_STUCK: Stuck,
     EV_ALIVE: Alive,
+    EV_MEMORY: Memory,
+    EV_OOM: Oom,
     EV_KERNEL_OP: KernelOp,
     EV_END: End,
 }

@@ -17,7 +17,14 @@ import zarr
 
 from fsdp_replay.errors import TraceFormatError
 from fsdp_replay.trace import completeness, dtypes, schema, spool
-from fsdp_replay.trace.schema import MODULE_KIND_CODES, ROLE_CODES, TABLES, blob_path, digest_of
+from fsdp_replay.trace.schema import (
+    ALLOC_ACTIONS,
+    MODULE_KIND_CODES,
+    ROLE_CODES,
+    TABLES,
+    blob_path,
+    digest_of,
+)
 from fsdp_replay.trace.store import BLOB_CHUNK, COLUMN_CHUNK, blob_codecs, column_codecs
 
 
@@ -78,6 +85,7 @@ class RankBuilder:
         self.tracker = completeness.Tracker()
         self.cols: dict[str, dict[str, list[Any]]] = {t: {c: [] for c in cs} for t, cs in TABLES.items()}
         self.names = {k: Names() for k in ("op", "dtype", "reduce_op", "algo", "device", "module")}
+        self.names["alloc_site"] = Names()  # allocs.site (format 4)
         self.attrs: dict[str, Any] = {
             "rank_start": None,
             "process_groups": [],
@@ -94,6 +102,7 @@ class RankBuilder:
             "attempts": 0,
             "stuck": [],
             "last_alive": None,
+            "ooms": [],
         }
         self._structures: dict[str, int] = {}
         self.blob_payload: dict[int, int] = {}  # spool blob id (per attempt) -> payload row
@@ -332,7 +341,57 @@ class RankBuilder:
         }
         for k, v in values.items():
             s[k].append(v)
+        ends = self.cols["micro_steps"]
+        for micro, t_ns in enumerate(ev.get("micro_t_ns") or []):
+            ends["step"].append(ev["step"])
+            ends["micro"].append(micro)
+            ends["t_ns"].append(int(t_ns))
         self.report.steps += 1
+
+    def _ev_memory(self, ev: dict[str, Any]) -> None:
+        a = self.cols["allocs"]
+        sites = [self.names["alloc_site"].code(name) for name in ev.get("sites") or []]
+        actions = ev.get("actions")
+        for micro, t_ns, action, addr, nbytes, stream, device, site in actions or []:
+            if not 0 <= int(action) < len(ALLOC_ACTIONS):
+                continue  # a code this version does not know
+            for col, v in (
+                ("step", ev["step"]),
+                ("micro", micro),
+                ("t_ns", t_ns),
+                ("action", action),
+                ("addr", addr),
+                ("bytes", nbytes),
+                ("stream", stream),
+                ("device", device),
+                ("site", sites[site] if 0 <= site < len(sites) else -1),
+            ):
+                a[col].append(v)
+        if ev.get("final"):
+            return  # the step in progress at the end: its actions, no step end
+        stats, base = ev["stats"], ev.get("base") or {}
+        m = self.cols["memory_steps"]
+        for col, v in (
+            ("step", ev["step"]),
+            ("device", ev["device"]),
+            ("allocated_end", stats.get("allocated", -1)),
+            ("reserved_end", stats.get("reserved", -1)),
+            ("requested_end", stats.get("requested", -1)),
+            ("allocated_peak", stats.get("allocated_peak", -1)),
+            ("reserved_peak", stats.get("reserved_peak", -1)),
+            ("alloc_retries", stats.get("alloc_retries", -1)),
+            ("ooms", stats.get("ooms", -1)),
+            ("history", -1 if actions is None else len(actions)),
+            ("requested_base", base.get("requested", -1)),
+            ("reserved_base", base.get("reserved", -1)),
+        ):
+            m[col].append(int(v))
+        m["moved"].append(bool(ev.get("moved", False)))
+
+    def _ev_oom(self, ev: dict[str, Any]) -> None:
+        oom = {k: v for k, v in ev.items() if k not in ("type", "blob")}
+        oom["payload"] = self._payload(int(ev["blob"]))
+        self.attrs["ooms"].append(oom)
 
     def _ev_rng(self, ev: dict[str, Any]) -> None:
         st = ev["states"]

@@ -176,6 +176,8 @@ class RankTrace:
         calls this first, so that it never answers from a rank whose metadata is damaged."""
         n = 0
         for name, columns in TABLES.items():
+            if not self.has_table(name):
+                continue  # a trace from before the table existed (one its array list names is read)
             table = self.table(name)
             for column in columns:
                 table[column]

@@ -46,6 +46,9 @@ from fsdp_replay.trace.events import (
     EV_KERNEL_OP as EV_KERNEL_OP,
 )
 from fsdp_replay.trace.events import (
+    EV_MEMORY as EV_MEMORY,
+)
+from fsdp_replay.trace.events import (
     EV_MODULE_FP as EV_MODULE_FP,
 )
 from fsdp_replay.trace.events import (
@@ -53,6 +56,9 @@ from fsdp_replay.trace.events import (
 )
 from fsdp_replay.trace.events import (
     EV_NUMERICS as EV_NUMERICS,
+)
+from fsdp_replay.trace.events import (
+    EV_OOM as EV_OOM,
 )
 from fsdp_replay.trace.events import (
     EV_OP_FP as EV_OP_FP,
@@ -107,12 +113,15 @@ from fsdp_replay.trace.ops import (
 # 2: the sk64 fingerprint algorithm, steps.agent_cpu_ns / writer_cpu_ns (step.cpu_ns).
 # 3: each rank group lists its arrays with their lengths and digests (ARRAYS_ATTR) and says how far
 #    its record is complete (COMPLETENESS_ATTR); `alive` events; blobs carry a completion mark.
-FORMAT_VERSION: Final = 3
+# 4: the micro-steps' ends and the CUDA caching allocator (tables `micro_steps`, `allocs`,
+#    `memory_steps`; `memory` and `oom` events; `step.micro_t_ns`; rank attributes `ooms`,
+#    `alloc_site_names`).
+FORMAT_VERSION: Final = 4
 # Readers accept these; anything else raises TraceVersionError. A version-1 trace has no
 # agent_cpu_ns/writer_cpu_ns columns in `steps` and no sk64 fingerprints. Versions 1 and 2 have no
 # array list, so a missing chunk of theirs cannot be told from zeros, and no completeness record:
 # readers derive it from the rank's end event and damage list.
-READABLE_VERSIONS: Final = frozenset({1, 2, 3})
+READABLE_VERSIONS: Final = frozenset({1, 2, 3, 4})
 
 # ---------------------------------------------------------------------------------------------
 # Paths (relative to the output folder of `fsdp-replay record --out DIR`).
@@ -335,8 +344,51 @@ TABLES: dict[str, dict[str, str]] = {
         "in_fp": "uint64",
         "out_fp": "uint64",
     },
+    # format 4: each backward()'s end; the CUDA caching allocator's actions (in --alloc-history
+    # steps) and counters (every step) (agent/allocations.py)
+    "micro_steps": {"step": "int64", "micro": "int32", "t_ns": "int64"},
+    "allocs": {
+        "step": "int64",
+        "micro": "int32",
+        "t_ns": "int64",
+        "action": "int16",
+        "addr": "int64",
+        "bytes": "int64",
+        "stream": "int64",
+        "device": "int16",
+        "site": "int32",
+    },
+    "memory_steps": {
+        "step": "int64",
+        "device": "int16",
+        "allocated_end": "int64",
+        "reserved_end": "int64",
+        "requested_end": "int64",
+        "allocated_peak": "int64",
+        "reserved_peak": "int64",
+        "alloc_retries": "int64",
+        "ooms": "int64",
+        "history": "int64",
+        "requested_base": "int64",
+        "reserved_base": "int64",
+        "moved": "bool",
+    },
 }
 MODULE_KIND_CODES: Final = {"fwd": 0, "bwd": 1}
+# allocs.action: torch's allocator trace actions (``torch.cuda.memory._snapshot()``'s
+# ``device_traces[*][*].action``) as codes; an action not listed here is left out, not misread.
+ALLOC_ACTION_CODES: Final = {
+    "alloc": 0,
+    "free_requested": 1,
+    "free_completed": 2,
+    "segment_alloc": 3,
+    "segment_free": 4,
+    "segment_map": 5,
+    "segment_unmap": 6,
+    "oom": 7,
+    "snapshot": 8,
+}
+ALLOC_ACTIONS: Final = tuple(ALLOC_ACTION_CODES)  # code -> action
 MODULE_KINDS: Final = tuple(MODULE_KIND_CODES)  # code -> kind
 # tensors.role: the events' role letters as codes, and the codes' names in reports.
 # "j": the objects a rank sent into an object collective, serialized canonically (agent/objects.py).

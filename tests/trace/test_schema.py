@@ -17,8 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_replay"
 
 # -- pins -------------------------------------------------------------------------------------
 def test_format_version() -> None:
-    assert schema.FORMAT_VERSION == 3
-    assert frozenset({1, 2, 3}) == schema.READABLE_VERSIONS
+    assert schema.FORMAT_VERSION == 4
+    assert frozenset({1, 2, 3, 4}) == schema.READABLE_VERSIONS
     assert schema.FORMAT_VERSION in schema.READABLE_VERSIONS
 
 
@@ -75,6 +75,20 @@ def test_event_keys_pinned() -> None:
         "numerics": {"type", "step", "flags"},
         "compiled": {"type", "step", "calls", "graphs"},
         "aop": {"type", "step", "idx", "name", "module", "in_fp", "out_fp"},
+        "memory": {"type", "step", "device", "stats"},
+        "oom": {
+            "type",
+            "step",
+            "micro",
+            "t_ns",
+            "device",
+            "requested",
+            "device_total",
+            "device_free",
+            "stats",
+            "blob",
+            "nbytes",
+        },
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
     }
     assert {k: set(v) for k, v in schema.EVENT_KEYS.items()} == expected
@@ -84,7 +98,8 @@ def test_optional_event_keys_pinned() -> None:
     assert {k: set(v) for k, v in schema.OPTIONAL_EVENT_KEYS.items()} == {
         "coll": {"extra", "async"},
         "end": {"inflight", "exception"},
-        "step": {"cpu_ns", "counters"},
+        "step": {"cpu_ns", "counters", "micro_t_ns"},
+        "memory": {"actions", "sites", "full", "base", "moved", "error", "final"},
         "agent_error": {"step", "seq"},
         "rank_start": {"t0_wall_ns", "numerics"},
         "compiled": {"modules", "error"},
@@ -223,11 +238,49 @@ def test_tables_pinned() -> None:
             "in_fp": "uint64",
             "out_fp": "uint64",
         },
+        "micro_steps": {"step": "int64", "micro": "int32", "t_ns": "int64"},
+        "allocs": {
+            "step": "int64",
+            "micro": "int32",
+            "t_ns": "int64",
+            "action": "int16",
+            "addr": "int64",
+            "bytes": "int64",
+            "stream": "int64",
+            "device": "int16",
+            "site": "int32",
+        },
+        "memory_steps": {
+            "step": "int64",
+            "device": "int16",
+            "allocated_end": "int64",
+            "reserved_end": "int64",
+            "requested_end": "int64",
+            "allocated_peak": "int64",
+            "reserved_peak": "int64",
+            "alloc_retries": "int64",
+            "ooms": "int64",
+            "history": "int64",
+            "requested_base": "int64",
+            "reserved_base": "int64",
+            "moved": "bool",
+        },
     }
     assert expected == schema.TABLES
     # the column order is the order the docs list them in
     assert {t: list(c) for t, c in schema.TABLES.items()} == {t: list(c) for t, c in expected.items()}
     assert schema.ROLE_CODES == {"i": 0, "o": 1, "": 2, "j": 3}
+    assert schema.ALLOC_ACTIONS == (
+        "alloc",
+        "free_requested",
+        "free_completed",
+        "segment_alloc",
+        "segment_free",
+        "segment_map",
+        "segment_unmap",
+        "oom",
+        "snapshot",
+    )
 
 
 def test_the_spec_documents_every_key_table_and_column() -> None:
