@@ -62,9 +62,13 @@ STATS: dict[str, tuple[str, ...]] = {
 # torch 2.11 and later name it at the top level; torch.cuda's name is the older alias
 OUT_OF_MEMORY: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 # A stack frame in these folders is torch's or ours: a row's site is the innermost other one.
-_LIBRARY_DIRS = (
-    str(Path(torch.__file__).resolve().parent) + os.sep,
-    str(Path(__file__).resolve().parents[1]) + os.sep,
+# (as imported and with links resolved: frames name files as they were imported)
+_LIBRARY_DIRS = tuple(
+    {
+        str(folder) + os.sep
+        for lib in (Path(torch.__file__).parent, Path(__file__).parents[1])
+        for folder in (Path(os.path.abspath(lib)), lib.resolve())
+    }
 )
 
 
