@@ -39,9 +39,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     override = list(args.command)
-    command, cwd = launch.replay_command(meta, override)
+    pairs = launch.path_map(meta, args.cwd, args.map)
+    command, cwd = launch.replay_command(meta, override, pairs)
     if not args.force:
-        launch.check_script(meta, command, cwd)
+        launch.check_script(meta, command, cwd, pairs, trace.rank(args.rank).attrs.get("modules"))
         launch.check_torch(meta)
     world = int(meta.get("world_size") or trace.world_size or 1)
     who = "all ranks" if args.all_ranks else f"rank {args.rank}"
@@ -55,10 +56,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
         report=str(out.absolute()),
         live=args.all_ranks,
         force=args.force,
+        data=args.data,
+        path_map=json.dumps(pairs) if pairs else "",
+        fast_forward_warmup=args.fast_forward_warmup,
         redacted_env=",".join(sorted(k for k, v in (meta.get("env") or {}).items() if v == schema.REDACTED)),
     )
     notes: list[str] = []
-    env = launch.replay_env(meta, args.rank, world, args.device, notes)
+    env = launch.replay_env(meta, args.rank, world, args.device, notes, pairs)
+    for old, new in pairs:
+        notes.append(f"the recorded run's {old} is {new} here")
     for n in notes:
         print(f"fsdp-replay: note: {n}", file=sys.stderr)
     if args.all_ranks:
@@ -181,4 +187,32 @@ def register(sub: Any) -> None:
         "the record (for traces recorded without payloads)",
     )
     env_option(rp, "--force", kind="flag", help="replay even if the script or torch version differ")
+    env_option(
+        rp,
+        "--cwd",
+        help="the folder that stands for the recorded working directory (default: the recorded one if it "
+        "exists here, else the current directory); the script and local modules are checked there by sha256",
+    )
+    env_option(
+        rp,
+        "--map",
+        help="more recorded folders and where they are here: OLD=NEW[,OLD2=NEW2] (paths in the command "
+        "line, the environment and the file ledger are mapped)",
+    )
+    env_option(
+        rp,
+        "--data",
+        default="auto",
+        choices=("auto", "recorded", "live"),
+        help="where batches come from: recorded (the trace, without the dataset), live (the program's "
+        "DataLoader), auto (the trace where it holds them for the verified steps)",
+    )
+    env_option(
+        rp,
+        "--fast-forward-warmup",
+        kind="int",
+        default=2,
+        help="with --from-step S: how many steps compute before the rest up to S run without kernels "
+        "(default 2: frameworks finish their set-up in the first steps)",
+    )
     rp.set_defaults(func=cmd_replay)

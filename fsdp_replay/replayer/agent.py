@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -33,12 +34,14 @@ from fsdp_replay.agent.tape import OpTape
 from fsdp_replay.errors import ExitCode, FsdpReplayError, TraceIncompleteError
 from fsdp_replay.replayer import env_watch, feed, overlay, restore, verify
 from fsdp_replay.replayer.config import ReplayConfig
-from fsdp_replay.replayer.expected import RankRecord
+from fsdp_replay.replayer.expected import ExpectedColl, RankRecord
 from fsdp_replay.replayer.fake_pg import completed_work, redirect_to_fake_pg
+from fsdp_replay.replayer.fastforward import SMALL, FastForward
 from fsdp_replay.replayer.fsdp_frames import feeding_modules
 from fsdp_replay.replayer.key_check import KeyCheck
 from fsdp_replay.replayer.op_check import OpCheck
 from fsdp_replay.replayer.report import Divergence, build_report
+from fsdp_replay.replayer.serve import BatchServer
 from fsdp_replay.replayer.tape import ReplayTape, attach_tape
 from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
 from fsdp_replay.trace.reader import Trace
@@ -98,6 +101,18 @@ class Replayer:
         snap = self.rec.snapshot_at_or_before(self.from_step) if self.from_step > 0 else None
         self.restore_step = int(snap["step"]) if snap else 0
         self.snapshot = snap
+        # Steps before the snapshot: the first few compute, the rest run without kernels.
+        self.ff: FastForward | None = None
+        if self.restore_step > 0 and not self.live:
+            self.ff = FastForward(self.restore_step, config.fast_forward_warmup, self.fail)
+        self._ff_colls: dict[int, list[ExpectedColl]] = {}
+        self.restored = False
+        self.roots: list[torch.nn.Module] = []
+        self.batch_server: BatchServer | None = None
+        if not self.live:
+            self.batch_server = BatchServer(
+                self.rec, config.data, self.restore_step, self.to_step, self._batch_content, self.notes
+            )
         self.seq = 0
         self.step = 0
         self.micro = 0
@@ -147,6 +162,10 @@ class Replayer:
         return self.step >= self.restore_step
 
     def on_root_forward(self, module: torch.nn.Module) -> None:
+        if self.step == 0 and all(module is not r for r in self.roots):
+            self.roots.append(module)  # in the order the recorder listed them (snapshot buffers)
+        if self.ff is not None:
+            self.ff.loop_started()
         if self.tap is not None:
             self.tap.name_modules(module)
         if self.ops is not None:
@@ -178,13 +197,27 @@ class Replayer:
         EntropyReplay(self.rec.attrs.get("urandom") or {}, self.notes).install()
         here = Path(self.config.report) / (RANK_REPORT_FMT.format(rank=self.rank) if self.live else "")
         local_trace = [self.config.trace] if "://" not in self.config.trace else []
+        pairs = [tuple(p) for p in json.loads(self.config.path_map)] if self.config.path_map else []
+        ledger = overlay.map_ledger(self.rec.attrs.get("files") or {}, pairs)
         self.files, self.changed_inputs = overlay.isolate(
-            self.rec.attrs.get("files") or {}, here / "files", [self.config.report, *local_trace], self.notes
+            ledger, here / "files", [self.config.report, *local_trace], self.notes
         )
         if not self.live:
             backends = {str(g.get("name")): str(g.get("backend")) for g in self.rec.process_groups.values()}
             redirect_to_fake_pg(self.world, self.rank, self.refuse, backends)
             self.rec.start_prefetch()
+        if self.batch_server is not None:
+            self.batch_server.install()
+
+    def _batch_content(self, step: int) -> str:
+        """What a served batch of a recorded ``step`` holds: its bytes where the replay verifies,
+        before the snapshot its bytes where the trace has them, else zeros (the model may compute
+        on it: a warm-up step, or a step whose model meets new inputs)."""
+        if step >= self.restore_step:
+            return "bytes"
+        if self.ff is not None:
+            self.ff.loop_started()
+        return "zeros"
 
     def refuse(self, why: str) -> None:
         sys.stderr.write(f"fsdp-replay: refusing to replay: {why}\n")
@@ -201,6 +234,8 @@ class Replayer:
             raise
 
     def _run(self, call: CollectiveCall, real: Any) -> Any:
+        if self.ff is not None and (self.ff.active or self.ff.paused):
+            return self._skipped_collective(call, real)
         seq = self.seq
         self.seq += 1
         self.rec.advance(seq)
@@ -252,6 +287,39 @@ class Replayer:
             self.verified_colls += 1
         return result
 
+    def _skipped_collective(self, call: CollectiveCall, real: Any) -> Any:
+        """A collective of a step the fast-forward skips (one the program makes outside its model,
+        such as a loss it all-reduces to log) or computes late (after new model inputs): the fake
+        backend completes it; where the step's record has a small one of the same op and shapes with
+        its payload, the output gets its recorded value; a computed step's other outputs are zeros."""
+        assert self.ff is not None
+        result = real()
+        call.set_outputs(result)
+        wait_result(result, call)
+        self.ff.collectives_seen += 1
+        pending = self._ff_colls.get(self.step)
+        if pending is None:
+            pending = self._ff_colls[self.step] = list(self.rec.colls_of_step(self.step))
+            self._ff_colls.pop(self.step - 1, None)
+        shapes = [tuple(capture.local(t).shape) for t in call.outputs]
+        for i, exp in enumerate(pending):
+            outs = exp.role("o")
+            if exp.op != call.op or [e.shape for e in outs] != shapes:
+                continue
+            del pending[i]
+            if outs and all(e.payload >= 0 and math.prod(e.shape) <= SMALL for e in outs):
+                with torch.no_grad():
+                    for t, e in zip(call.outputs, outs, strict=True):
+                        capture.local(t).copy_(self.rec.tensor(e).to(capture.local(t).device))
+                self.ff.values_served += 1
+                return completed_work(result)
+            break
+        if not self.ff.active:  # a step computed late: no garbage for the model to compute on
+            with torch.no_grad():
+                for t in call.outputs:
+                    capture.local(t).zero_()
+        return completed_work(result)
+
     def _base(self, seq: int, op: str, pg: int) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step, "micro": self.micro, "seq": seq, "op": op, "pg": pg}
 
@@ -280,11 +348,17 @@ class Replayer:
         self.micro = 0
         self.step_colls = 0
         self.module_idx = 0
+        if self.ff is not None:
+            self.ff.at_step_end(done)
+            if self.ff.active and self.ff.steps_skipped == 0:  # read the restored step's payloads ahead
+                self.rec.advance(self.rec.first_seq_of_step(self.restore_step))
         if self.ops is not None:
             self.ops.at_step(self.step)
         if self.verifying() and self.step > self.restore_step:
             self._check_rng(self.step)
         if self.step == self.restore_step and self.restore_step > 0:
+            if self.ff is not None:
+                self.ff.finish()
             self._restore(opt)
         if self.divergences and not self.live:
             self.finish("diverged", EXIT_DIVERGED)
@@ -339,17 +413,39 @@ class Replayer:
         snap = self.snapshot
         assert snap is not None
         expected_seq = self.rec.first_seq_of_step(self.restore_step)
-        if self.seq != expected_seq:
+        skipped = self.ff is not None and self.ff.steps_skipped > 0
+        if self.seq != expected_seq and not skipped:
             self.notes.append(
                 f"before step {self.restore_step} the replay issued {self.seq} collectives; the record "
                 f"has {expected_seq}"
             )
-        restore.restore_snapshot(self.rec, snap, opt)
+        self.seq = expected_seq  # a skipped model issues none of its collectives
+        self.rec.advance(expected_seq)
+        if self.tape is not None:
+            self.tape.seq = min(
+                (n for n, c in self.rec.tape.items() if c.step >= self.restore_step),
+                default=len(self.rec.tape),
+            )
+        restore.restore_snapshot(self.rec, snap, opt, self.roots, self.notes)
         restore.restore_rng(self.rec, self.restore_step, f"step {self.restore_step}", self.notes)
+        self.restored = True
+        if self.ff is not None:
+            print(
+                f"[fsdp-replay] rank {self.rank}: reached step {self.restore_step} in {self.ff.seconds:.2f} s "
+                f"({self.ff.warmup + self.ff.steps_computed_late} steps computed, {self.ff.steps_skipped} run "
+                "without kernels); restored its snapshot",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # -- backward and batches --------------------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
-        if not self.verifying() or not isinstance(tensors, torch.Tensor) or tensors.numel() != 1:
+        if not isinstance(tensors, torch.Tensor) or tensors.numel() != 1:
+            return
+        if self.ff is not None and self.ff.active:
+            self._serve_loss(tensors)
+            return
+        if not self.verifying():
             return
         exp = self.rec.steps.get(self.step)
         if exp is None or self.micro >= len(exp.losses):
@@ -365,6 +461,17 @@ class Replayer:
                     detail=f"loss {value!r}; recorded {exp.losses[self.micro]!r}",
                 )
             )
+
+    def _serve_loss(self, loss: torch.Tensor) -> None:
+        """A skipped step's loss (zeros) gets its recorded value: what the program logs from it
+        is what the recorded run logged."""
+        assert self.ff is not None
+        exp = self.rec.steps.get(self.step)
+        if exp is None or self.micro >= len(exp.losses):
+            return
+        with torch.no_grad():
+            loss.detach().fill_(exp.losses[self.micro])
+        self.ff.values_served += 1
 
     def after_backward(self) -> None:
         self.micro += 1
@@ -404,7 +511,13 @@ class Replayer:
 
     def _progress(self, step: int) -> None:
         total = len(self.rec.steps) if self.to_step < 0 else self.to_step + 1
-        state = "verified" if step >= self.restore_step else "fast-forward"
+        ff = self.ff
+        if ff is not None and ff.active and step + 1 < self.restore_step and (step + 1) % 100:
+            return  # skipped steps: a line every 100
+        if ff is not None and step < self.restore_step:
+            state = "fast-forward, computed" if step < ff.warmup else "fast-forward, skipped"
+        else:
+            state = "verified" if step >= self.restore_step else "fast-forward"
         print(
             f"[fsdp-replay] rank {self.rank}: step {step}/{total - 1} {state} ({self.verified_colls} collectives "
             "verified)",

@@ -29,6 +29,17 @@ class ReplayConfig:
     """All-rank replay: collectives run for real (torchrun) and are compared with the record."""
     force: bool = False
     """Replay although the trace was recorded with another torch (kernels, so bits, may differ)."""
+    data: str = "auto"
+    """Where batches come from: ``recorded`` (the trace, without the dataset), ``live`` (the
+    program's DataLoader, compared with the record), ``auto`` (the trace where it holds a loader's
+    batches for the verified steps, else live)."""
+    path_map: str = ""
+    """JSON ``[[recorded folder, its place here], ...]``: the recorded run's paths (its file
+    ledger) as they are where the replay runs (``replay --cwd/--map``)."""
+    fast_forward_warmup: int = 2
+    """Replaying from a snapshot at S: the first this many steps compute (frameworks' one-time
+    set-up), the rest up to S run without kernels (``replayer/fastforward.py``). S or more: every
+    step before S computes."""
     redacted_env: str = ""
     """Comma-separated: the variables the recording redacted, watched from interpreter start
     (``replayer/env_watch.py``) so the report can name one the program looked up."""
@@ -40,7 +51,9 @@ class ReplayConfig:
             raise ConfigError(
                 f"{ENV_PREFIX}TRACE and {ENV_PREFIX}REPORT are needed when {ENV_PREFIX}MODE=replay"
             )
-        for name in ("rank", "from_step"):
+        if self.data not in ("auto", "recorded", "live"):
+            raise ConfigError(f"{ENV_PREFIX}DATA={self.data!r}: use auto, recorded or live")
+        for name in ("rank", "from_step", "fast_forward_warmup"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()}={getattr(self, name)} must be >= 0")
         if self.to_step < -1:
@@ -66,5 +79,8 @@ class ReplayConfig:
             ENV_PREFIX + "REPORT": self.report,
             ENV_PREFIX + "LIVE": "1" if self.live else "0",
             ENV_PREFIX + "FORCE": "1" if self.force else "0",
+            ENV_PREFIX + "DATA": self.data,
+            ENV_PREFIX + "PATH_MAP": self.path_map,
+            ENV_PREFIX + "FAST_FORWARD_WARMUP": str(self.fast_forward_warmup),
             ENV_PREFIX + "REDACTED_ENV": self.redacted_env,
         }

@@ -32,6 +32,7 @@ class ExpectedTensor:
     algo: str
     nonfinite: bool
     payload: int
+    device: str = "cpu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,10 @@ class ExpectedStep:
     losses: tuple[float, ...]
 
 
+def _name(names: list[str], code: int, default: str) -> str:
+    return names[code] if 0 <= code < len(names) else default
+
+
 def torch_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
@@ -84,7 +89,7 @@ class RankRecord:
         self.meta = rt.meta
         self.attrs = rt.attrs
         self.completeness = rt.completeness
-        names = {k: rt.names(k) for k in ("op", "dtype", "reduce_op", "algo")}
+        names = {k: rt.names(k) for k in ("op", "dtype", "reduce_op", "algo", "device")}
         c, t = rt.collectives, rt.tensors
         dims = rt.table("shapes")["dim"]
         self.colls: dict[int, ExpectedColl] = {}
@@ -150,12 +155,16 @@ class RankRecord:
         b, bt = rt.batches, rt.batch_tensors
         self.batches: list[dict[str, Any]] = []
         structures = self.attrs.get("structures", [])
+        rng_rows = b["rng"] if b.has("rng") else None  # format 4: the RNG after a fetch that drew
         for i in range(len(b)):
             start, count = int(b["tensor_start"][i]), int(b["tensor_count"][i])
             self.batches.append(
                 {
                     "step": int(b["step"][i]),
                     "micro": int(b["micro"][i]),
+                    "loader": int(b["loader"][i]),
+                    "index": int(b["index"][i]),
+                    "rng": int(rng_rows[i]) if rng_rows is not None else -1,
                     "structure": structures[int(b["structure"][i])],
                     "tensors": [
                         ExpectedTensor(
@@ -171,6 +180,7 @@ class RankRecord:
                             names["algo"][int(bt["algo"][j])],
                             bool(bt["nonfinite"][j]),
                             int(bt["payload"][j]),
+                            _name(names["device"], int(bt["device"][j]), "cpu"),
                         )
                         for j in range(start, start + count)
                     ],
@@ -203,6 +213,7 @@ class RankRecord:
                     )
                 )
         self.tape = self._tape(rt, names, dims)
+        self._by_step: dict[int, list[ExpectedColl]] | None = None
         self._cache: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self._cache_bytes = 0
         self._lock = threading.Lock()
@@ -252,6 +263,15 @@ class RankRecord:
             if coll.step >= step:
                 return seq
         return len(self.colls)
+
+    def colls_of_step(self, step: int) -> list[ExpectedColl]:
+        """The recorded collectives of ``step``, in order."""
+        if self._by_step is None:
+            by_step: dict[int, list[ExpectedColl]] = collections.defaultdict(list)
+            for c in self.colls.values():
+                by_step[c.step].append(c)
+            self._by_step = by_step
+        return self._by_step.get(step, [])
 
     def snapshot_at_or_before(self, step: int) -> dict[str, Any] | None:
         best = [s for s in self.snapshots if s <= step and self.snapshots[s].get("payload", -1) >= 0]

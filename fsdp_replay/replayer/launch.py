@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_replay.errors import ReplayMismatchError, TraceFormatError
+from fsdp_replay.errors import ConfigError, ReplayMismatchError, TraceFormatError
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.numerics import KEY_ENV, NCCL_ENV
 from fsdp_replay.trace.reader import Trace
@@ -38,7 +38,52 @@ _NUMERICS_ENV = frozenset({*KEY_ENV, *NCCL_ENV, "OMP_NUM_THREADS", "MKL_NUM_THRE
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 
 
-def replay_command(meta: dict[str, Any], override: list[str]) -> tuple[list[str], str]:
+PathMap = list[tuple[str, str]]
+
+
+def path_map(meta: dict[str, Any], cwd: str | None, pairs: str | None) -> PathMap:
+    """Where the recorded run's paths are here: ``--map OLD=NEW,...`` as given, and the recorded
+    working directory, which stands at ``--cwd`` (default: where it was, if it exists here, else
+    the current directory). Longest OLD first."""
+    out: PathMap = []
+    for item in (pairs or "").split(","):
+        if not item.strip():
+            continue
+        old, sep, new = item.partition("=")
+        if not sep or not os.path.isabs(old) or not new:
+            raise ConfigError(f"--map {item!r}: give OLD=NEW with OLD an absolute path the recording used")
+        out.append((os.path.normpath(old), os.path.abspath(new)))
+    recorded = meta.get("cwd")
+    if recorded:
+        here = os.path.abspath(cwd) if cwd else (recorded if os.path.isdir(recorded) else os.getcwd())
+        if os.path.normpath(here) != os.path.normpath(recorded):
+            out.append((os.path.normpath(recorded), os.path.normpath(here)))
+    return sorted(out, key=lambda p: len(p[0]), reverse=True)
+
+
+def mapped(path: str, pairs: PathMap) -> str:
+    """``path`` as it is here (unchanged outside the mapped folders)."""
+    for old, new in pairs:
+        if path == old or path.startswith(old + os.sep):
+            return new + path[len(old) :]
+    return path
+
+
+def _mapped_arg(arg: str, pairs: PathMap) -> str:
+    """An argument of the recorded command line, with a path of a mapped folder mapped
+    (``/old/x`` and ``--flag=/old/x``)."""
+    if os.path.isabs(arg):
+        return mapped(arg, pairs)
+    key, sep, value = arg.partition("=")
+    if sep and key.startswith("-") and os.path.isabs(value):
+        return f"{key}={mapped(value, pairs)}"
+    return arg
+
+
+def replay_command(
+    meta: dict[str, Any], override: list[str], pairs: PathMap | None = None
+) -> tuple[list[str], str]:
+    pairs = pairs or []
     if override:
         return override, os.getcwd()
     # The interpreter's own command line: `python -m pkg.mod`, `-u`, and a wrapper that rewrote
@@ -55,34 +100,60 @@ def replay_command(meta: dict[str, Any], override: list[str]) -> tuple[list[str]
     exe = meta.get("executable") or sys.executable
     if not os.path.exists(exe):
         exe = sys.executable
-    cwd = meta.get("cwd") or os.getcwd()
+    cwd = mapped(meta.get("cwd") or os.getcwd(), pairs)
     if not os.path.isdir(cwd):
         cwd = os.getcwd()
-    return [exe, *argv], cwd
+    return [exe, *(_mapped_arg(a, pairs) for a in argv)], cwd
 
 
-def check_script(meta: dict[str, Any], command: list[str], cwd: str) -> None:
-    """Refuse when the script on disk is not the one recorded (by sha256)."""
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_script(
+    meta: dict[str, Any],
+    command: list[str],
+    cwd: str,
+    pairs: PathMap | None = None,
+    modules: list[dict[str, Any]] | None = None,
+) -> None:
+    """Refuse when the script on disk is not the one recorded (by sha256), or a local module the
+    recorded program imported (from its folder) differs or is missing."""
+    pairs = pairs or []
+    moved = " (give the recorded folders' place here with --cwd or --map OLD=NEW)"
     script = meta.get("script") or {}
     recorded = script.get("sha256")
-    if not recorded:
-        return
-    recorded_path = script.get("path")
-    candidates = [a for a in command[1:] if a.endswith(".py")]
-    if recorded_path and Path(recorded_path).is_file():
-        path = Path(recorded_path)
-    elif candidates:
-        path = Path(cwd, candidates[0])
-    else:
-        return
-    if not path.is_file():
-        raise ReplayMismatchError(f"the recorded script {script.get('path')} is not at {path}")
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != recorded:
-        raise ReplayMismatchError(
-            f"{path} is not the script that was recorded (sha256 {digest[:12]}… != recorded {recorded[:12]}…): "
-            "a replay of other code cannot be verified; pass --force to replay anyway"
-        )
+    if recorded:
+        recorded_path = mapped(script["path"], pairs) if script.get("path") else None
+        candidates = [a for a in command[1:] if a.endswith(".py")]
+        path: Path | None = None
+        if recorded_path and Path(recorded_path).is_file():
+            path = Path(recorded_path)
+        elif candidates:
+            path = Path(cwd, candidates[0])
+        if path is not None:
+            if not path.is_file():
+                raise ReplayMismatchError(f"the recorded script {script.get('path')} is not at {path}{moved}")
+            digest = _sha256(path)
+            if digest != recorded:
+                raise ReplayMismatchError(
+                    f"{path} is not the script that was recorded (sha256 {digest[:12]}… != recorded "
+                    f"{recorded[:12]}…): a replay of other code cannot be verified; pass --force to replay "
+                    "anyway"
+                )
+    for mod in modules or []:
+        here = Path(mapped(str(mod["path"]), pairs))
+        if not mod.get("sha256"):
+            continue
+        if not here.is_file():
+            raise ReplayMismatchError(
+                f"the program imported its module {mod['name']} from {mod['path']}, which is not at {here}{moved}"
+            )
+        if _sha256(here) != mod["sha256"]:
+            raise ReplayMismatchError(
+                f"{here} (module {mod['name']}) is not the one the recorded program imported (sha256 differs): "
+                "a replay of other code cannot be verified; pass --force to replay anyway"
+            )
 
 
 def check_torch(meta: dict[str, Any]) -> None:
@@ -99,10 +170,17 @@ def check_torch(meta: dict[str, Any]) -> None:
 
 
 def replay_env(
-    meta: dict[str, Any], rank: int, world: int, device: str | None, notes: list[str] | None = None
+    meta: dict[str, Any],
+    rank: int,
+    world: int,
+    device: str | None,
+    notes: list[str] | None = None,
+    pairs: PathMap | None = None,
 ) -> dict[str, str]:
-    """The replayed rank's environment: the recorded one, except where the caller's own
-    environment sets a variable to another value: an explicit choice wins, and ``notes`` says so."""
+    """The replayed rank's environment: the recorded one (a path of a mapped folder mapped),
+    except where the caller's own environment sets a variable to another value: an explicit
+    choice wins, and ``notes`` says so."""
+    pairs = pairs or []
     env = dict(os.environ)
     for k in list(env):  # this shell's own launch (a replay started inside a job) is not the recorded one
         if k in LAUNCHER_ENV or k.startswith("TORCHELASTIC_"):
@@ -114,6 +192,7 @@ def replay_env(
             continue
         if k in schema.ENV_MACHINE or k.startswith(schema.ENV_MACHINE_PREFIXES):
             continue  # the machine's and the shell's own: the replay's, wherever it runs
+        v = mapped(v, pairs) if os.path.isabs(v) else v
         mine = os.environ.get(k)
         if mine is not None and mine != v and k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_"):
             mine_wins.append((k, mine, v))

@@ -369,6 +369,18 @@ def install(root: Path, ledger: dict[str, Any], keep: list[str]) -> Overlay:
     return view
 
 
+def map_ledger(ledger: dict[str, Any], pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """The ledger with the recorded run's folders where they are here (``replay --cwd/--map``)."""
+    from fsdp_replay.replayer.launch import mapped
+
+    if not pairs:
+        return ledger
+    out = dict(ledger)
+    for key in ("read", "written"):
+        out[key] = [{**e, "path": mapped(e["path"], pairs)} for e in ledger.get(key, [])]
+    return out
+
+
 def changed_inputs(ledger: dict[str, Any]) -> list[dict[str, Any]]:
     """The files the recorded run read (before writing them) that are not as they were then."""
     from fsdp_replay.agent.files import identity

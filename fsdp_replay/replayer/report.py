@@ -91,6 +91,33 @@ def _key_lines(report: dict[str, Any], status: Any) -> list[str]:
     return lines
 
 
+def _fast_forward_lines(report: dict[str, Any]) -> list[str]:
+    ff = report.get("fast_forward")
+    if not ff:
+        return []
+    target, computed, skipped = ff["to_step"], ff["computed_steps"], ff["skipped_steps"]
+    if ff.get("seconds") is None:
+        return [f"  the fast-forward to step {target} did not finish (after {computed + skipped} steps)"]
+    how = f"steps 0..{computed - 1} computed" if computed else "no step computed up front"
+    if skipped:
+        how += (
+            f"; {skipped} steps run without kernels ({ff['root_calls_skipped']} model calls answered with "
+            "placeholders)"
+        )
+    late = ff.get("steps_computed_for_new_inputs")
+    if late:
+        how += f"; {late} computed because the model met inputs of a new shape"
+    lines = [f"  reached step {target} in {ff['seconds']:.2f} s: {how}"]
+    d = report.get("first_divergence")
+    if skipped and d and d.get("step") == target and report.get("status") == "diverged":
+        lines.append(
+            "  the divergence is in the first step after the fast-forward: state the snapshot does not hold "
+            "(kept by the program outside its model, optimizer, schedulers and RNG) was not computed in the "
+            f"skipped steps; to rule that out, replay with --fast-forward-warmup {target}"
+        )
+    return lines
+
+
 def render_text(report: dict[str, Any]) -> str:
     lines = []
     status = report.get("status")
@@ -121,6 +148,7 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"rank {rank}: {str(status).upper()}: {report.get('reason')}")
     if report.get("restored_snapshot") is not None:
         lines.append(f"  restored the snapshot of step {report['restored_snapshot']}")
+    lines += _fast_forward_lines(report)
     d = report.get("first_divergence")
     if d:
         where = f"step {d['step']} micro-step {d['micro']}"
@@ -243,7 +271,8 @@ def build_report(r: Any, status: str, reason: str) -> dict[str, Any]:
         "trace": r.trace.url,
         "from_step": r.from_step,
         "to_step": r.to_step,
-        "restored_snapshot": r.restore_step if r.restore_step > 0 else None,
+        "restored_snapshot": r.restore_step if r.restored else None,
+        "fast_forward": r.ff.summary() if getattr(r, "ff", None) is not None else None,
         "verified_steps": r.verified_steps,
         "collectives_verified": r.verified_colls,
         "collectives_per_step": r.colls_per_step,

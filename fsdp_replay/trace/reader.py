@@ -100,6 +100,12 @@ class Table:
             self._cache[column] = _read_array(arr, f"{self._where}/{column}", self._entry(column))
         return self._cache[column]
 
+    def has(self, column: str) -> bool:
+        """Whether the table has this column (one added in a later format is absent from older traces)."""
+        if self._listed is not None:
+            return f"{self._name}/{column}" in self._listed
+        return column in set(self._group.array_keys())
+
     def __len__(self) -> int:
         if self._listed is not None:
             entry = next((v for k, v in self._listed.items() if k.startswith(f"{self._name}/")), None)
