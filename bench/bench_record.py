@@ -64,6 +64,8 @@ from benchlib import (
 RESULTS_DIR = REPO / "bench" / "results"
 
 TARGET_CONFIG = "meta"
+# Configurations that measure CUDA capture: on the CPU they would measure nothing.
+CUDA_ONLY = frozenset({"meta-cupti", "torch-profiler"})
 TARGET_RATIO = 1.03
 TARGET_TEXT = "metadata + fingerprints within 3% of the unrecorded step time"
 NOISY_FRACTION = 0.05  # other processes using more than this share of the CPUs make a run noisy
@@ -77,6 +79,8 @@ class Config:
     record_args: tuple[str, ...] | None  # None: unrecorded
     description: str
     train_extra: tuple[str, ...] = ()  # more arguments for the example (another unrecorded program)
+    wrapper: str = ""  # a script the example runs under (REPO-relative), e.g. a profiler's
+    reference: str = "baseline"  # what it is also compared with, run for run (its own cost)
 
     @property
     def recorded(self) -> bool:
@@ -127,6 +131,18 @@ CONFIGS: tuple[Config, ...] = (
         "tape-payloads",
         ("--payloads", "none", "--tape-payloads", "all"),
         "metadata + fingerprints + the taped kernels' results every step (what a GPU replay injects)",
+    ),
+    Config(
+        "meta-cupti",
+        ("--payloads", "none", "--cupti", "always"),
+        "metadata + fingerprints + CUPTI's kernels and copies in every step (--cupti always)",
+        reference="meta",
+    ),
+    Config(
+        "torch-profiler",
+        None,
+        "unrecorded, under torch.profiler with CUDA activities only, every step (for comparison)",
+        wrapper="tests/workloads/cuda_profiled.py",
     ),
     Config("payloads", ("--payloads", "all"), "+ payloads every step"),
     Config(
@@ -193,6 +209,7 @@ def build_command(cfg: Config, run_dir: Path, train_args: list[str]) -> list[str
         "--standalone",
         "--nproc_per_node",
         str(NPROC),
+        *([cfg.wrapper] if cfg.wrapper else []),
         str(EXAMPLE.relative_to(REPO)),
         *train_args,
         *cfg.train_extra,
@@ -295,6 +312,7 @@ def run_one(
         if not problems:
             trace_summary, trace_problems = check_trace(run_dir, cfg, steps)
             res.trace_steps = [int(r.get("steps", -1)) for r in trace_summary.get("per_rank", [])]
+            problems += cupti_problems(trace_summary, cfg, steps)
             agent = agent_cpu_ms_per_step(run_dir, warmup)
             if agent is not None:
                 res.agent_cpu_ms_per_step, res.writer_cpu_ms_per_step = agent
@@ -304,6 +322,22 @@ def run_one(
         problems.append(f"command: {shlex.join(cmd)}\nstderr tail:\n{tail}")
     res.problems = problems
     return res, run_dir
+
+
+def cupti_problems(summary: dict[str, Any], cfg: Config, steps: int) -> list[str]:
+    """With --cupti always: every step from 1 captured, nothing dropped, no pause or error."""
+    args = cfg.record_args or ()
+    if "--cupti" not in args or args[args.index("--cupti") + 1] != "always":
+        return []
+    problems = []
+    for r in summary.get("per_rank", []):
+        c = r.get("cupti") or {}
+        if c.get("steps") != list(range(1, steps + 1)) or c.get("dropped") or c.get("pauses"):
+            problems.append(
+                f"rank {r.get('rank')}: CUPTI captured steps {c.get('steps')}, dropped {c.get('dropped')}, "
+                f"pauses {c.get('pauses')} (state {c.get('state')})"
+            )
+    return problems
 
 
 # -- summary -------------------------------------------------------------------------------------
@@ -360,6 +394,14 @@ def summarize(results: list[RunResult], names: list[str]) -> dict[str, Any]:
         s["cpu_s"] = statistics.median(r.cpu_s for r in runs)
         s["other_cpu_frac_max"] = max(r.other_cpu_frac + r.steal_frac for r in runs)
         s["after_last_step_s"] = statistics.median(r.after_last_step_s for r in runs)
+        ref = next((c.reference for c in CONFIGS if c.name == n), "baseline")
+        if ref != "baseline" and by_cfg.get(ref):
+            ref_by_rep = {r.rep: r for r in by_cfg[ref]}
+            own = [r.step_median_s / ref_by_rep[r.rep].step_median_s for r in runs if r.rep in ref_by_rep]
+            oq1, oq2, oq3 = quantiles(own)
+            s["reference"] = ref
+            s["ratio_vs_reference_paired"] = oq2
+            s["ratio_vs_reference_iqr"] = [oq1, oq3]
         out[n] = s
     return out
 
@@ -445,6 +487,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"| {fmt_bytes(x.get('trace_bytes_per_step'))} | {fmt_bytes(x.get('spool_bytes_per_step'))} "
             f"| {collector} | {x['cpu_s']:.1f} | {agent_cpu_cell(x)} |"
         )
+    for name, x in s.items():
+        if "reference" in x:
+            q1, q3 = x["ratio_vs_reference_iqr"]
+            lines += [
+                "",
+                f"{name} over {x['reference']} (its own cost, paired by repetition): "
+                f"{x['ratio_vs_reference_paired']:.3f} [{q1:.3f}, {q3:.3f}]",
+            ]
     lines += [
         "",
         "Bytes per step = size of the run's `trace.zarr` (and of its `spool/`, which `record` keeps) "
@@ -512,8 +562,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=3, help="first steps not measured (default 3)")
     p.add_argument(
         "--configs",
-        default=",".join(c.name for c in CONFIGS),
-        help="comma-separated subset of: " + ", ".join(c.name for c in CONFIGS) + " (baseline is always run)",
+        default=None,
+        help="comma-separated subset of: "
+        + ", ".join(c.name for c in CONFIGS)
+        + " (baseline is always run; default: all, but "
+        + ", ".join(sorted(CUDA_ONLY))
+        + " only with --device cuda)",
     )
     p.add_argument(
         "--train-args",
@@ -543,7 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     if steps < warmup + 2:
         print(f"bench: --steps must be at least {warmup + 2}", file=sys.stderr)
         return 2
-    wanted = {x.strip() for x in args.configs.split(",") if x.strip()} | {"baseline"}
+    default = [c.name for c in CONFIGS if args.device == "cuda" or c.name not in CUDA_ONLY]
+    chosen = args.configs.split(",") if args.configs is not None else default
+    wanted = {x.strip() for x in chosen if x.strip()} | {"baseline"}
     unknown = wanted - {c.name for c in CONFIGS}
     if unknown:
         print(f"bench: unknown configurations {sorted(unknown)}", file=sys.stderr)

@@ -85,6 +85,57 @@ def parse_alloc_history(var: str, raw: str) -> StepSet:
     return _step_set(var, {"off": "none", "always": "all"}.get(raw.strip(), raw))
 
 
+@dataclass(frozen=True, slots=True)
+class CuptiPolicy:
+    """The steps whose CUDA kernels and copies CUPTI captures (``agent/cupti``): ``off``,
+    ``always``, ``steps:SPEC``, or ``snapshots`` (the default): step 1 and the step before each
+    periodic snapshot (``--snapshot-every N``: steps N-1, 2N-1, ...). Step 0 is never captured:
+    NCCL sets its communicators up then, and a capture's flush must not overlap that."""
+
+    steps: StepSet = field(default_factory=StepSet)
+    snapshots: bool = False
+
+    @property
+    def off(self) -> bool:
+        return not self.snapshots and self.steps.empty
+
+    def includes(self, step: int, snapshot_every: int) -> bool:
+        """Whether ``step`` is captured (the snapshot of step k is taken as step k-1 ends)."""
+        if step < 1:
+            return False
+        if self.snapshots:
+            return step == 1 or (snapshot_every > 0 and (step + 1) % snapshot_every == 0)
+        return step in self.steps
+
+    @classmethod
+    def parse(cls, spec: str) -> CuptiPolicy:
+        value = spec.strip()
+        if value in ("off", "none"):
+            return cls()
+        if value in ("always", "all"):
+            return cls(StepSet(everything=True))
+        if value == "snapshots":
+            return cls(snapshots=True)
+        steps = StepSet.parse(value) if value.startswith("steps:") or value[:1].isdigit() else None
+        if steps is None:
+            raise ConfigError(f"bad CUPTI policy {spec!r}: use off, always, snapshots or steps:SPEC")
+        return cls(steps)
+
+    def __str__(self) -> str:
+        if self.snapshots:
+            return "snapshots"
+        if self.steps.everything:
+            return "always"
+        return "off" if self.steps.empty else str(self.steps)
+
+
+def _cupti_policy(var: str, raw: str) -> CuptiPolicy:
+    try:
+        return CuptiPolicy.parse(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{var}: {e}") from None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RecordConfig:
     """What the agent records, read from ``FSDP_REPLAY_*`` by ``from_env`` (``record`` writes them)."""
@@ -125,6 +176,10 @@ class RecordConfig:
     alloc_stacks: bool = False
     """CUDA: with ``alloc_history``, also record each allocation's Python stack (torch's, ~2 us per
     allocation), so that a row names the line of the program that allocated it."""
+    cupti: CuptiPolicy = field(default_factory=lambda: CuptiPolicy(snapshots=True))
+    """CUDA: steps whose kernels and copies CUPTI captures into the trace (``off``, ``always``,
+    ``steps:SPEC``, ``snapshots``: step 1 and the step before each periodic snapshot). Needs the
+    ``gpu`` extra (cupti-python); stands aside while another profiler traces (``agent/cupti``)."""
     cxx_kernel_lib: str = ""
     """The C++ kernel library (``agent/cxx/kernel.py``) that records the hot CPU collectives, or empty."""
     inject_fault: str = ""
@@ -156,6 +211,7 @@ class RecordConfig:
                 "snapshot_every": _non_negative,
                 "reserve_bytes": _non_negative,
                 "alloc_history": parse_alloc_history,
+                "cupti": _cupti_policy,
             },
         )
         return config
@@ -177,6 +233,7 @@ class RecordConfig:
             ENV_PREFIX + "TAPE_OPS": self.tape_ops,
             ENV_PREFIX + "ALLOC_HISTORY": str(self.alloc_history),
             ENV_PREFIX + "ALLOC_STACKS": "1" if self.alloc_stacks else "0",
+            ENV_PREFIX + "CUPTI": str(self.cupti),
             **(
                 {ENV_PREFIX + "TAPE_PAYLOADS": str(self.tape_payloads)}
                 if self.tape_payloads is not None

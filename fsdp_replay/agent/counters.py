@@ -31,6 +31,8 @@ class AgentState:
         "cpu_ns",
         "errors",
         "failed",
+        "gpu",
+        "gpu_counters",
         "payload_now",
         "pos",
         "program_ns",
@@ -52,6 +54,10 @@ class AgentState:
         self.writer: BackgroundWriter | None = None  # started with the rank's first record
         self.batches = 0
         self.snapshots = 0
+        # The CUPTI capture (agent/cupti) while it is armed, else None: our hooks tell it where
+        # the program is and which GPU work is ours. Its counters stay after it is disarmed.
+        self.gpu: Any = None
+        self.gpu_counters: dict[str, int] | None = None
 
     def t_ns(self) -> int:
         """Monotonic ns since the agent started: the ``t_ns`` of events."""
@@ -60,9 +66,13 @@ class AgentState:
     def program(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run the program's own work (the collective, its wait) inside our hooks, timed apart."""
         t0 = time.thread_time_ns()
+        gpu = self.gpu
+        ours = gpu.agent(False) if gpu is not None else False  # the program's kernels, not ours
         try:
             return fn(*args)
         finally:
+            if gpu is not None:
+                gpu.agent(ours)
             self.program_ns += time.thread_time_ns() - t0
 
 
@@ -77,4 +87,6 @@ def counters(state: AgentState, writer: BackgroundWriter, agent_cpu_ns: int) -> 
         batches=state.batches,
         snapshots=state.snapshots,
     )
+    if state.gpu_counters is not None:
+        out.update(state.gpu_counters)
     return out

@@ -67,6 +67,9 @@ class Guarded:
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         owner, where, outside_compile = self.owner, self.where, self.outside_compile
         is_compiling = torch.compiler.is_compiling
+        # The recorder's shared state: while CUPTI captures (agent/cupti), ``state.gpu`` is told
+        # that the GPU work our hooks launch is ours, so that it is left out of the kernel rows.
+        state = getattr(owner, "state", None)
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -78,6 +81,8 @@ class Guarded:
             if not owner.active():
                 return None
             t0, p0 = time.thread_time_ns(), owner.program_ns
+            gpu = getattr(state, "gpu", None)
+            ours = gpu.agent(True) if gpu is not None else False
             try:
                 with agent_work():  # the ops our hooks run are ours, not the program's (tape.py)
                     return fn(*args, **kwargs)
@@ -85,6 +90,8 @@ class Guarded:
                 owner.fail(where, e)
                 return None
             finally:
+                if gpu is not None:
+                    gpu.agent(ours)
                 owner.cpu_ns += time.thread_time_ns() - t0 - (owner.program_ns - p0)
 
         return guarded

@@ -122,9 +122,13 @@ class CollectiveRecorder:
         is added to ``cpu_ns``."""
         st = self.state
         t0, p0 = time.thread_time_ns(), st.program_ns
+        gpu = st.gpu  # the CUPTI capture, while armed: what we launch here is ours (agent/cupti)
+        ours = gpu.agent(True) if gpu is not None else False
         try:
             return self._run(call, real)
         finally:
+            if gpu is not None:
+                gpu.agent(ours)
             st.cpu_ns += time.thread_time_ns() - t0 - (st.program_ns - p0)
 
     def _run(self, call: CollectiveCall, real: Callable[[], Any]) -> Any:
@@ -169,6 +173,8 @@ class CollectiveRecorder:
             pos.seq = seq + 1
             self.inflight = (seq, pos.step, op, pg, t_ns)
             self.stuck_reported = False
+            if st.gpu is not None:  # kernels from here on run under this collective's seq
+                st.gpu.boundary()
         except Exception as e:
             self.fail(f"collective {op}", e)
             return st.program(real)

@@ -49,6 +49,8 @@ class TapeRecorder:
     def taped(self, name: str, call: Callable[[], Any]) -> Any:
         st = self.state
         t0, p0 = time.thread_time_ns(), st.program_ns
+        gpu = st.gpu  # the CUPTI capture, while armed: our fingerprints' kernels are ours
+        ours = gpu.agent(True) if gpu is not None else False
         result = st.program(call)
         try:
             w = self.start()
@@ -77,5 +79,7 @@ class TapeRecorder:
         except Exception as e:  # never the program's: its result is returned unchanged
             self.fail(f"tape {name}", e)
         finally:
+            if gpu is not None:
+                gpu.agent(ours)
             st.cpu_ns += time.thread_time_ns() - t0 - (st.program_ns - p0)
         return result

@@ -38,6 +38,7 @@ from fsdp_replay.agent.cxx.bridge import KernelBridge
 from fsdp_replay.agent.entropy import EntropyRecorder
 from fsdp_replay.agent.files import FileLedger
 from fsdp_replay.agent.fingerprint import fingerprint_many, host_values, native
+from fsdp_replay.agent.gpu_activity import GpuActivity
 from fsdp_replay.agent.op_tap import OpRecorder
 from fsdp_replay.agent.process_groups import ProcessGroups
 from fsdp_replay.agent.record_collective import CollectiveRecorder
@@ -103,6 +104,7 @@ class Recorder:
             lambda: not self.finished, [op.name for op in tape_ops(config.tape_ops)]
         )
         self.compiled.install()
+        self.gpu_activity = GpuActivity(config, st)  # CUPTI's kernels and copies (agent/cupti)
         self.ops: OpRecorder | None = None
         self.micro_ends: list[int] = []  # when this step's backward() calls returned (t_ns)
         self.memory: Any = None  # agent/allocations.py's MemoryRecorder, once CUDA is initialized
@@ -179,6 +181,7 @@ class Recorder:
         rec = ref()
         if rec is not None and os.getpid() != rec.pid:
             rec.state.recording = False
+            rec.state.gpu = None
             if rec.kernel is not None:
                 rec.kernel.state.enabled = 0
 
@@ -243,6 +246,7 @@ class Recorder:
                     **({"tape_error": self.tape_error} if self.tape_error else {}),
                     "tape_ops": self.config.tape_ops,
                     "op_fingerprints": str(self.config.op_fingerprints),
+                    "cupti": str(self.config.cupti),
                     "tape_payloads": None
                     if self.config.tape_payloads is None
                     else str(self.config.tape_payloads),
@@ -302,6 +306,7 @@ class Recorder:
         if self.finished or os.getpid() != self.pid or w is None:
             return
         self.finished = True
+        self.gpu_activity.finish()  # first: what the agent does from here on is not traced
         if self.collectives.deferred or self.kernel is not None:
             with contextlib.suppress(Exception):
                 self.collectives.complete_deferred(force=True)
@@ -409,6 +414,7 @@ class Recorder:
         self._watch_memory()
         if self.config.sync_steps:
             self._sync_step(w, opt)
+        self.gpu_activity.step_end(w, opt)  # arms or disarms CUPTI for the step that begins
 
     def _sync_step(self, w: BackgroundWriter, opt: torch.optim.Optimizer) -> None:
         """Crash consistency: a finished step's records reach the disk before the next step ends.
@@ -450,6 +456,8 @@ class Recorder:
 
     def after_backward(self) -> None:
         self.state.pos.micro += 1
+        if self.state.gpu is not None:
+            self.state.gpu.boundary()
         self.micro_ends.append(self.state.t_ns())
 
     def on_batch(self, iterator: Any, batch: Any) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_replay.analysis.kernels import cupti_summary
 from fsdp_replay.analysis.memory import memory_summary
 from fsdp_replay.errors import TraceFormatError
 from fsdp_replay.trace import schema
@@ -65,6 +66,7 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
         },
         "payload_bytes": int(r.payloads["nbytes"].sum()) if len(r.payloads) else 0,
         "tape": tape_summary(r),
+        "cupti": cupti_summary(r),
         "compiled": compiled_summary(r.attrs.get("compiled")),
         "batches": len(r.batches),
         "snapshots": [sn["step"] for sn in r.attrs.get("snapshots", [])],

@@ -42,7 +42,7 @@ def _cxx_kernel() -> str:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from fsdp_replay.agent.config import RecordConfig, StepSet, parse_alloc_history
+    from fsdp_replay.agent.config import CuptiPolicy, RecordConfig, StepSet, parse_alloc_history
     from fsdp_replay.cli.launch import agent_env, run_command
     from fsdp_replay.trace.redact import redact_argv
 
@@ -73,6 +73,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         tape_payloads=StepSet.parse(args.tape_payloads) if args.tape_payloads else None,
         alloc_history=parse_alloc_history("--alloc-history", args.alloc_history),
         alloc_stacks=args.alloc_stacks,
+        cupti=CuptiPolicy.parse(args.cupti),
         cxx_kernel_lib=_cxx_kernel() if _wants_cxx_kernel(args) else "",
     )
     out.mkdir(parents=True, exist_ok=True)
@@ -331,6 +332,14 @@ def register(sub: Any) -> None:
         kind="flag",
         help="CUDA: also record each allocation's Python stack in those steps (~2 us per allocation), so "
         "that each allocation names the program line that made it",
+    )
+    env_option(
+        r,
+        "--cupti",
+        default=str(defaults.cupti),
+        help="CUDA: steps whose kernels and copies CUPTI captures into the trace (needs the gpu extra, "
+        "cupti-python): off, always, steps:SPEC, or snapshots (step 1 and the step before each periodic "
+        "snapshot); it stands aside, saying so, while torch.profiler or another CUPTI tool traces",
     )
     env_option(r, "--no-collect", kind="flag", help="leave the spools; build the trace later with `collect`")
     env_option(

@@ -125,6 +125,11 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
                 f"{cost['agent_cpu_ms_per_step']:.2f} ms CPU in the agent's hooks, "
                 f"{cost['writer_cpu_ms_per_step']:.2f} ms in its writer thread{how}"
             )
+        if r.get("cupti"):
+            from fsdp_replay.analysis.kernels import cupti_lines
+
+            for line in cupti_lines(r["rank"], r["cupti"]):
+                con.print(line)
         end = r["end"] or {}
         counters = end.get("counters") or {}
         if counters.get("blobs_dropped"):

@@ -32,6 +32,8 @@ EV_COMPILED: Final = "compiled"
 EV_OP_FP: Final = "aop"
 EV_MEMORY: Final = "memory"
 EV_OOM: Final = "oom"
+EV_CUPTI: Final = "cupti"
+EV_CUPTI_STATE: Final = "cupti_state"
 EV_END: Final = "end"
 
 
@@ -325,6 +327,38 @@ class Oom(TypedDict):
     nbytes: int
 
 
+class Cupti(TypedDict):
+    """CUDA kernels and copies captured by CUPTI (format 4; ``agent/cupti``), a batch of rows."""
+
+    type: str
+    kernels: list[list[int]]
+    """``[step, micro, seq, corr, start_ns, end_ns, device, stream, name]``: ``name`` is a code in
+    this process's kernel-name table (``names``)."""
+    copies: list[list[int]]
+    """``[step, micro, seq, corr, start_ns, end_ns, device, stream, kind, bytes]`` (``COPY_KINDS``)."""
+    names: list[str]
+    """Kernel names first used in this event; the first gets code ``name_base``."""
+    name_base: int
+
+
+class _CuptiState(TypedDict):
+    type: str
+    state: str
+    """``off``, ``armed``, ``disarmed``, ``paused``, ``lost`` or ``error`` (``CUPTI_STATES``)."""
+    reason: str
+    step: int
+    t_ns: int
+
+
+class CuptiState(_CuptiState, total=False):
+    """The CUPTI capture started, stopped, stood aside or gave up (format 4; ``agent/cupti``)."""
+
+    clock: list[int]
+    """``[cupti_ns, t_ns]``: a CUPTI timestamp and the rank's ``t_ns`` read together when armed."""
+    detail: dict[str, Any]
+    """What was found: libcupti's version and path, the subscriber mode, the probes' results."""
+
+
 class Alive(TypedDict):
     type: str
     seq: int
@@ -368,6 +402,8 @@ EVENT_TYPES: Final[dict[str, Any]] = {
     EV_MEMORY: Memory,
     EV_OOM: Oom,
     EV_KERNEL_OP: KernelOp,
+    EV_CUPTI: Cupti,
+    EV_CUPTI_STATE: CuptiState,
     EV_END: End,
 }
 EVENT_KEYS: Final[dict[str, frozenset[str]]] = {

@@ -86,6 +86,7 @@ class RankBuilder:
         self.cols: dict[str, dict[str, list[Any]]] = {t: {c: [] for c in cs} for t, cs in TABLES.items()}
         self.names = {k: Names() for k in ("op", "dtype", "reduce_op", "algo", "device", "module")}
         self.names["alloc_site"] = Names()  # allocs.site (format 4)
+        self.names["kernel"] = Names()  # kernels.name (format 4)
         self.attrs: dict[str, Any] = {
             "rank_start": None,
             "process_groups": [],
@@ -104,6 +105,9 @@ class RankBuilder:
             "last_alive": None,
             "ooms": [],
         }
+        self.attrs[schema.CUPTI_ATTR] = {"states": [], "clock": []}
+        self._kernel_codes: dict[int, int] = {}  # a process's kernel-name code (per attempt) -> ours
+        self._cupti_attempts: dict[str, list[int]] = {"kernels": [], "copies": []}
         self._structures: dict[str, int] = {}
         self.blob_payload: dict[int, int] = {}  # spool blob id (per attempt) -> payload row
         self._digests: dict[str, int] = {}
@@ -212,6 +216,7 @@ class RankBuilder:
         if self.attrs["attempts"] > 1:
             # A restarted rank (torchelastic) starts a new attempt: blob ids restart too.
             self.blob_payload = {}
+            self._kernel_codes = {}  # and so do its kernel-name codes
 
     def _ev_files(self, ev: dict[str, Any]) -> None:
         files = self.attrs["files"]
@@ -455,6 +460,36 @@ class RankBuilder:
     def _ev_drop(self, ev: dict[str, Any]) -> None:
         self.attrs["drops"].append({k: v for k, v in ev.items() if k != "type"})
 
+    def _ev_cupti(self, ev: dict[str, Any]) -> None:
+        names, codes = self.names["kernel"], self._kernel_codes
+        for i, name in enumerate(ev["names"]):
+            codes[int(ev["name_base"]) + i] = names.code(name)
+        for table, rows in (("kernels", ev["kernels"]), ("copies", ev["copies"])):
+            cols = self.cols[table]
+            columns = list(TABLES[table])
+            for row in rows:
+                if len(row) != len(columns):
+                    raise TraceFormatError(f"a {table} row has {len(row)} fields, not {len(columns)}")
+                for col, v in zip(columns, row, strict=True):
+                    cols[col].append(codes.get(int(v), -1) if table == "kernels" and col == "name" else v)
+                self._cupti_attempts[table].append(self.attrs["attempts"])
+
+    def _sort_cupti(self) -> None:
+        """Rows in launch order (attempt, then correlation id): CUPTI delivers a kernel's record
+        when it completes, so a long kernel's row can come after later launches'."""
+        for table in ("kernels", "copies"):
+            cols, attempts = self.cols[table], self._cupti_attempts[table]
+            order = sorted(range(len(attempts)), key=lambda i: (attempts[i], cols["corr"][i]))
+            if order != list(range(len(order))):
+                for col, values in cols.items():
+                    cols[col] = [values[i] for i in order]
+
+    def _ev_cupti_state(self, ev: dict[str, Any]) -> None:
+        cupti = self.attrs[schema.CUPTI_ATTR]
+        cupti["states"].append({k: v for k, v in ev.items() if k != "type"})
+        if "clock" in ev:
+            cupti["clock"].append([*ev["clock"], max(0, self.attrs["attempts"] - 1)])
+
     def _ev_end(self, ev: dict[str, Any]) -> None:
         self.attrs["end"] = {k: v for k, v in ev.items() if k != "type"}
         self.report.clean_end = True
@@ -496,6 +531,7 @@ class RankBuilder:
 
     def write(self) -> None:
         self._sort_collectives()
+        self._sort_cupti()
         self.report.completeness = self.assess()
         group = self.root.create_group(schema.RANK_GROUP_FMT.format(rank=self.rank), overwrite=True)
         arrays: dict[str, dict[str, Any]] = {}

@@ -34,6 +34,12 @@ from fsdp_replay.trace.events import (
     EV_COMPILED as EV_COMPILED,
 )
 from fsdp_replay.trace.events import (
+    EV_CUPTI as EV_CUPTI,
+)
+from fsdp_replay.trace.events import (
+    EV_CUPTI_STATE as EV_CUPTI_STATE,
+)
+from fsdp_replay.trace.events import (
     EV_DROP as EV_DROP,
 )
 from fsdp_replay.trace.events import (
@@ -113,9 +119,10 @@ from fsdp_replay.trace.ops import (
 # 2: the sk64 fingerprint algorithm, steps.agent_cpu_ns / writer_cpu_ns (step.cpu_ns).
 # 3: each rank group lists its arrays with their lengths and digests (ARRAYS_ATTR) and says how far
 #    its record is complete (COMPLETENESS_ATTR); `alive` events; blobs carry a completion mark.
-# 4: the micro-steps' ends and the CUDA caching allocator (tables `micro_steps`, `allocs`,
-#    `memory_steps`; `memory` and `oom` events; `step.micro_t_ns`; rank attributes `ooms`,
-#    `alloc_site_names`).
+# 4: CUDA kernels and copies captured by CUPTI (tables `kernels`, `copies`; `cupti` and
+#    `cupti_state` events; rank attributes `kernel_names`, `cupti`); the micro-steps' ends and the
+#    CUDA caching allocator (tables `micro_steps`, `allocs`, `memory_steps`; `memory` and `oom`
+#    events; `step.micro_t_ns`; rank attributes `ooms`, `alloc_site_names`).
 FORMAT_VERSION: Final = 4
 # Readers accept these; anything else raises TraceVersionError. A version-1 trace has no
 # agent_cpu_ns/writer_cpu_ns columns in `steps` and no sk64 fingerprints. Versions 1 and 2 have no
@@ -344,6 +351,32 @@ TABLES: dict[str, dict[str, str]] = {
         "in_fp": "uint64",
         "out_fp": "uint64",
     },
+    # format 4: CUDA kernels and copies captured by CUPTI (agent/cupti), one row per record, in
+    # launch (correlation id) order; start_ns/end_ns are CUPTI's device timestamps (CUPTI_ATTR
+    # holds the pair that maps them to t_ns); name: a code in the rank's "kernel_names"
+    "kernels": {
+        "step": "int64",
+        "micro": "int32",
+        "seq": "int64",
+        "corr": "int64",
+        "start_ns": "int64",
+        "end_ns": "int64",
+        "device": "int16",
+        "stream": "int32",
+        "name": "int32",
+    },
+    "copies": {
+        "step": "int64",
+        "micro": "int32",
+        "seq": "int64",
+        "corr": "int64",
+        "start_ns": "int64",
+        "end_ns": "int64",
+        "device": "int16",
+        "stream": "int32",
+        "kind": "int16",
+        "bytes": "int64",
+    },
     # format 4: each backward()'s end; the CUDA caching allocator's actions (in --alloc-history
     # steps) and counters (every step) (agent/allocations.py)
     "micro_steps": {"step": "int64", "micro": "int32", "t_ns": "int64"},
@@ -375,6 +408,13 @@ TABLES: dict[str, dict[str, str]] = {
     },
 }
 MODULE_KIND_CODES: Final = {"fwd": 0, "bwd": 1}
+# copies.kind: what a copy moved (CUPTI's memcpy kinds; array copies are "other") and memsets.
+COPY_KIND_CODES: Final = {"other": 0, "htod": 1, "dtoh": 2, "dtod": 3, "htoh": 4, "ptop": 5, "memset": 6}
+COPY_KINDS: Final = tuple(COPY_KIND_CODES)  # code -> kind
+# cupti_state.state: what the CUPTI capture did (docs/trace-format.md#cupti_state).
+CUPTI_STATES: Final = ("off", "armed", "disarmed", "paused", "lost", "error")
+# Rank-group attribute (format 4): {"states": [cupti_state events], "clock": [[cupti_ns, t_ns, attempt]]}.
+CUPTI_ATTR: Final = "cupti"
 # allocs.action: torch's allocator trace actions (``torch.cuda.memory._snapshot()``'s
 # ``device_traces[*][*].action``) as codes; an action not listed here is left out, not misread.
 ALLOC_ACTION_CODES: Final = {

@@ -85,7 +85,9 @@ def _garbage_segment_header(r: Path) -> Path:
 def _foreign_spool_version(r: Path) -> Path:
     seg = _seg(r)
     data = seg.read_bytes()
-    seg.write_bytes(data.replace(b'"format_version": 3', b'"format_version": 9', 1))
+    current = f'"format_version": {schema.FORMAT_VERSION}'.encode()
+    assert current in data
+    seg.write_bytes(data.replace(current, b'"format_version": 9', 1))
     return seg
 
 

@@ -89,6 +89,8 @@ def test_event_keys_pinned() -> None:
             "blob",
             "nbytes",
         },
+        "cupti": {"type", "kernels", "copies", "names", "name_base"},
+        "cupti_state": {"type", "state", "reason", "step", "t_ns"},
         "end": {"type", "reason", "steps", "colls", "t_ns", "counters"},
     }
     assert {k: set(v) for k, v in schema.EVENT_KEYS.items()} == expected
@@ -103,6 +105,7 @@ def test_optional_event_keys_pinned() -> None:
         "agent_error": {"step", "seq"},
         "rank_start": {"t0_wall_ns", "numerics"},
         "compiled": {"modules", "error"},
+        "cupti_state": {"clock", "detail"},
     }
     for ev, keys in schema.OPTIONAL_EVENT_KEYS.items():
         assert ev in schema.EVENT_KEYS
@@ -230,6 +233,29 @@ def test_tables_pinned() -> None:
             "algo": "int16",
             "nonfinite": "bool",
         },
+        "kernels": {
+            "step": "int64",
+            "micro": "int32",
+            "seq": "int64",
+            "corr": "int64",
+            "start_ns": "int64",
+            "end_ns": "int64",
+            "device": "int16",
+            "stream": "int32",
+            "name": "int32",
+        },
+        "copies": {
+            "step": "int64",
+            "micro": "int32",
+            "seq": "int64",
+            "corr": "int64",
+            "start_ns": "int64",
+            "end_ns": "int64",
+            "device": "int16",
+            "stream": "int32",
+            "kind": "int16",
+            "bytes": "int64",
+        },
         "op_fps": {
             "step": "int64",
             "idx": "int64",
@@ -270,6 +296,17 @@ def test_tables_pinned() -> None:
     # the column order is the order the docs list them in
     assert {t: list(c) for t, c in schema.TABLES.items()} == {t: list(c) for t, c in expected.items()}
     assert schema.ROLE_CODES == {"i": 0, "o": 1, "": 2, "j": 3}
+    assert schema.COPY_KIND_CODES == {
+        "other": 0,
+        "htod": 1,
+        "dtoh": 2,
+        "dtod": 3,
+        "htoh": 4,
+        "ptop": 5,
+        "memset": 6,
+    }
+    assert schema.CUPTI_STATES == ("off", "armed", "disarmed", "paused", "lost", "error")
+    assert schema.CUPTI_ATTR == "cupti"
     assert schema.ALLOC_ACTIONS == (
         "alloc",
         "free_requested",
