@@ -352,6 +352,9 @@ def test_rows_go_through_a_real_spool_collect_and_reader(tmp_path: Path) -> None
     assert summary is not None
     assert (summary["kernels"], summary["copies"], summary["kernels_per_step"]) == (6, 3, {0: 1, 1: 5})
     assert summary["pauses"][0]["reason"].startswith("torch.profiler")
+    text = cupti_lines(0, summary)
+    assert "6 kernels (5 distinct) and 3 copies over steps 0..1" in text[0]
+    assert "step 2: paused: torch.profiler" in text[1]
     assert r.read_all() > 0  # every array, kernels and copies included, matches the array list
 
 
