@@ -604,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"bench: unknown configurations {sorted(unknown)}", file=sys.stderr)
         return 2
+    if args.device == "cpu" and wanted & CUDA_ONLY:
+        print(f"bench: {sorted(wanted & CUDA_ONLY)} measure CUDA capture: use --device cuda", file=sys.stderr)
+        return 2
     configs = [c for c in CONFIGS if c.name in wanted]
     global NPROC
     NPROC = args.nproc
