@@ -167,6 +167,7 @@ class CuptiCapture:
         holder = coexist.foreign_holder(self.detail["probe"])
         if injected or holder:
             self.off = f"another CUPTI client traces this process: {injected or holder}"
+            log.warning("fsdp-replay: CUPTI capture off for this run: %s", self.off)
             self._state("off", self.off, step, detail=self.detail)
 
     # -- what is there -------------------------------------------------------------------------
@@ -452,6 +453,7 @@ class CuptiCapture:
         self.paused = reason
         self._registered = False  # the other profiler registers its own callbacks
         self.counters["cupti_pauses"] += 1
+        log.warning("fsdp-replay: CUPTI capture stands aside at step %d: %s", step, reason)
         self._state("paused", reason, step)
 
     def _drain(self) -> None:
