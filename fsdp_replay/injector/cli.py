@@ -1,11 +1,11 @@
-"""``fsdp-replay webhook`` and ``fsdp-replay inject``: the injector's commands.
+"""``fsdp-replay webhook``, ``inject`` and ``job``: the injector's commands.
 
-Every option is a flag and an ``FSDP_REPLAY_INJECTOR_*`` variable, wired by one helper from the
-fields of :class:`InjectorConfig` (their docstrings are the help texts). A flag given on the command
-line is written over the environment and the config is read by ``InjectorConfig.from_env``: one
-parser, and flags override the environment.
+Every option is a flag and an ``FSDP_REPLAY_INJECTOR_*`` (``job``: ``FSDP_REPLAY_JOB_*``) variable,
+wired by one helper from the fields of :class:`InjectorConfig` (:class:`JobConfig`; their docstrings
+are the help texts). A flag given on the command line is written over the environment and the
+config is read by ``from_env``: one parser, and flags override the environment.
 
-``register(subparsers)`` plugs both commands into the main CLI; ``main(argv)`` runs them alone
+``register(subparsers)`` plugs the commands into the main CLI; ``main(argv)`` runs them alone
 (``python -m fsdp_replay.injector.cli``). Exit codes as the main CLI's: 0 success, 2 usage error,
 3 unusable input.
 """
@@ -15,13 +15,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdp_replay import options
 from fsdp_replay.errors import ConfigError
 from fsdp_replay.injector.config import ENV_PREFIX, InjectorConfig, env_name, parse_bool
+from fsdp_replay.injector.job_config import ENV_PREFIX as JOB_ENV_PREFIX
+from fsdp_replay.injector.job_config import JobConfig
+from fsdp_replay.injector.job_config import env_name as job_env_name
+
+if TYPE_CHECKING:
+    from fsdp_replay.injector.job import RenderedJob
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -90,6 +98,92 @@ def cmd_inject(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def job_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> JobConfig:
+    """The ``job`` options: the variables, the flags given over them, the trace given as an argument."""
+    env = options.option_env(args, os.environ if environ is None else environ, JOB_ENV_PREFIX)
+    if getattr(args, "trace_arg", None):
+        env[job_env_name("trace")] = args.trace_arg
+    return JobConfig.from_env(env)
+
+
+def render_job(config: JobConfig) -> RenderedJob:
+    """Read the replayed rank's metadata from the trace and render its Job."""
+    from fsdp_replay.errors import TraceIncompleteError
+    from fsdp_replay.injector.job import render
+    from fsdp_replay.trace.layout import resolve_trace
+    from fsdp_replay.trace.reader import Trace
+
+    if not config.trace:
+        raise ConfigError(f"give the trace: fsdp-replay job TRACE --rank R (or {job_env_name('trace')})")
+    if config.rank is None and not config.all_ranks:
+        raise ConfigError(
+            "give --rank R (a Job of one pod) or --all-ranks (an Indexed Job, one pod per rank)"
+        )
+    url = resolve_trace(config.trace)
+    if "://" not in url:
+        url = os.path.abspath(url)  # the pod has another working directory
+    trace = Trace.open(url)
+    world = trace.world_size or (max(trace.ranks) + 1 if trace.ranks else 0)
+    if config.rank is not None and config.rank >= world:
+        raise ConfigError(f"--rank {config.rank}: the trace's world has {world} ranks (0..{world - 1})")
+    if not trace.ranks:
+        raise TraceIncompleteError("the trace holds no rank", path=url)
+    # Every rank of a job shares the image, the command and the Secrets: any rank's record says them.
+    rank = config.rank if config.rank is not None else trace.ranks[0]
+    meta = trace.rank(rank).meta
+    if not meta:
+        raise TraceIncompleteError(f"rank {rank} has no start record", path=url)
+    return render(meta, url, world, config)
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    from fsdp_replay.errors import ExitCode
+
+    config = job_config(args)
+    rendered = render_job(config)
+    for warning in rendered.warnings:
+        print(warning, file=sys.stderr)
+    text = _yaml_text(rendered.manifest)
+    where = f"-n {rendered.namespace}"
+    follow = (
+        f"fsdp-replay: follow it:  kubectl fsdp-replay logs {rendered.name} {where} -f\n"
+        f"fsdp-replay: its report: kubectl fsdp-replay report {rendered.name} {where}  ({rendered.report})"
+    )
+    if config.dry_run:
+        sys.stdout.write(text)
+        return ExitCode.OK
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        sys.stdout.write(text)
+        print(
+            "fsdp-replay: kubectl is not on PATH: the Job above was not created (kubectl create -f - does it)",
+            file=sys.stderr,
+        )
+        return ExitCode.UNUSABLE
+    # create, not apply: a Job runs once, and applying an unchanged finished one would do nothing
+    proc = subprocess.run([kubectl, "create", "-f", "-"], input=text, text=True, check=False)
+    if proc.returncode != 0:
+        print(
+            f"fsdp-replay: kubectl create failed (exit {proc.returncode}); a Job {rendered.name} that exists "
+            f"already: kubectl delete job {rendered.name} {where}, or choose another --name",
+            file=sys.stderr,
+        )
+        return ExitCode.UNUSABLE
+    print(follow, file=sys.stderr)
+    return ExitCode.OK
+
+
+def _yaml_text(document: Any) -> str:
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(
+            "this command writes YAML: install PyYAML (pip install 'fsdp-replay[injector]')"
+        ) from None
+    text: str = yaml.dump(document, Dumper=_dumper(yaml), sort_keys=False, default_flow_style=False)
+    return text
+
+
 def _dumper(yaml: Any) -> Any:
     """A safe dumper that writes repeated objects out in full: no &anchors in a manifest for review."""
 
@@ -141,6 +235,33 @@ def register(subparsers: Any) -> None:
     )
     add_config_options(i, server=False)
     i.set_defaults(func=cmd_inject)
+    register_job(subparsers, "job")
+
+
+def register_job(subparsers: Any, name: str) -> argparse.ArgumentParser:
+    """``fsdp-replay job`` (and ``kubectl fsdp-replay replay``, the same parser under another name)."""
+    j = subparsers.add_parser(
+        name,
+        help="replay a rank (or every rank) as a Kubernetes Job: render it, and create it with kubectl",
+        description="Render a batch/v1 Job that replays rank R of a trace alone in the recorded image, with the "
+        "recorded pod's Secrets by reference, one GPU, and the report written to the store; --all-ranks: an "
+        "Indexed Job, one pod per rank. Without --dry-run it is created with kubectl. docs/kubernetes.md says "
+        "what the Job holds and why.",
+    )
+    j.add_argument(
+        "trace_arg", nargs="?", metavar="TRACE", help=f"the trace (or --trace; env {job_env_name('trace')})"
+    )
+    j.add_argument(
+        "-n",
+        "--namespace",
+        default=None,
+        dest="config_namespace",
+        help="the Job's namespace; default: the recorded pod's, where its Secrets are "
+        f"(env {job_env_name('namespace')})",
+    )
+    options.add_config_options(j, JobConfig, JOB_ENV_PREFIX, skip=frozenset({"namespace"}))
+    j.set_defaults(func=cmd_job)
+    return j
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,12 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from fsdp_replay.errors import FsdpReplayError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
     except ConfigError as e:
         print(f"fsdp-replay: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except (FsdpReplayError, OSError) as e:  # `job`: a trace that cannot be read or used
+        print(f"fsdp-replay: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

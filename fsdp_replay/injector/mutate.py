@@ -7,8 +7,8 @@ For a pod that opts in (``annotations.py``), the patch adds
    before the first recorded one, which needs the payload when it starts;
 2. the emptyDirs: agent payload, spool, sidecar /tmp;
 3. in every recorded container: the two mounts, ``PYTHONPATH`` by ``boot.pythonpath.agent_pythonpath``
-   (the user's value kept after ours) and the ``FSDP_REPLAY_*`` variables the user has not set
-   (the user's own values win);
+   (the user's value kept after ours), the ``FSDP_REPLAY_*`` variables the user has not set
+   (the user's own values win), and the container's identity for replay Jobs (``identity.py``);
 4. the sidecar, as a native sidecar (last init container, ``restartPolicy: Always``) or a plain container;
 5. ``shareProcessNamespace: true``, so the sidecar sees the trainers' processes;
 6. the Prometheus scrape annotations (unless the pod has its own) and the status annotations.
@@ -31,6 +31,7 @@ from fsdp_replay.injector import containers as ours
 from fsdp_replay.injector import patch, templates
 from fsdp_replay.injector.config import InjectorConfig
 from fsdp_replay.injector.errors import InjectionError
+from fsdp_replay.injector.identity import identity_env
 from fsdp_replay.injector.patch import Op
 
 PYTHONPATH = "PYTHONPATH"
@@ -69,7 +70,10 @@ def mutate(
 
     ops: list[Op] = []
     for field, index, container in selected:
-        ops += _container_ops(patch.pointer("spec", field, index), container, config, settings, warnings)
+        identity = identity_env(spec, container, settings.store_secret)
+        ops += _container_ops(
+            patch.pointer("spec", field, index), container, config, settings, identity, warnings
+        )
     ops += _appended(spec, "volumes", ours.volumes())
     recorded = [c["name"] for _, _, c in selected]
     sidecar = ours.sidecar_container(config, settings, recorded, guaranteed=ours.is_guaranteed(spec))
@@ -126,6 +130,7 @@ def _container_ops(
     container: Mapping[str, Any],
     config: InjectorConfig,
     settings: ann.PodSettings,
+    identity: Sequence[dict[str, Any]],
     warnings: list[str],
 ) -> list[Op]:
     name = container["name"]
@@ -174,6 +179,9 @@ def _container_ops(
             value = agent_pythonpath(site_dir, lib_dir, current, sep=POD_PATH_SEP)
             if value != current:
                 ops.append(patch.add(f"{path}/env/{index}/value", value))
+    # Where the container runs, for a replay Job made from its trace (identity.py); a value the
+    # user set is theirs, as for the agent's variables.
+    added += [entry for entry in identity if entry["name"] not in defined]
     if container.get("envFrom"):
         warnings.append(
             f"fsdp-replay: container {name} uses envFrom: a PYTHONPATH or FSDP_REPLAY_* there is "

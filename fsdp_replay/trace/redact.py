@@ -110,6 +110,9 @@ _HEX_RE: Final = re.compile(r"[0-9a-fA-F]+")
 # Words of an identifier: a capitalized or lower-case word, an acronym, a number.
 _WORD_RE: Final = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+")
 _UUID_RE: Final = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+# An image pinned by digest (``repo@sha256:<64 hex>``, lower case as OCI writes it): the hash of
+# public bytes, kept so that a replay Job can run the recorded image (injector/identity.py).
+_IMAGE_DIGEST_RE: Final = re.compile(r"@sha256:[0-9a-f]{64}(?![0-9A-Za-z])")
 
 
 def entropy_bits(s: str) -> float:
@@ -174,11 +177,12 @@ def looks_random(run: str) -> bool:
 def redact_value(value: str) -> str:
     """value with URL passwords replaced; ``REDACTED`` if it holds any other credential."""
     out = URL_PASSWORD_RE.sub(lambda m: f"{m['head']}{schema.REDACTED}@", value)
-    header = HEADER_RE.match(out)
+    checked = _IMAGE_DIGEST_RE.sub("@", out)
+    header = HEADER_RE.match(checked)
     if (
-        TOKEN_RE.search(out)
+        TOKEN_RE.search(checked)
         or (header is not None and secret_name(header["name"]))
-        or any(looks_random(r) for r in _RUN_RE.findall(out))
+        or any(looks_random(r) for r in _RUN_RE.findall(checked))
     ):
         return schema.REDACTED
     return out

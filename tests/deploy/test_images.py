@@ -408,7 +408,11 @@ def test_payload_from_python_3_13_records_on_the_hosts_python_3_11(images: Image
     assert warnings == []
     trainer = jsonpatch.JsonPatch(ops).apply(pod)["spec"]["containers"][0]
     injected = container_env(trainer)
-    assert set(injected) == {"PYTHONPATH", "FSDP_REPLAY_MODE", "FSDP_REPLAY_OUT", "FSDP_REPLAY_PAYLOADS"}
+    assert set(injected) == {
+        "PYTHONPATH", "FSDP_REPLAY_MODE", "FSDP_REPLAY_OUT", "FSDP_REPLAY_PAYLOADS",
+        # the literal half of the identity a replay Job is made from (injector/identity.py)
+        "FSDP_REPLAY_POD_IMAGE", "FSDP_REPLAY_POD_CONTAINER", "FSDP_REPLAY_POD_REFS",
+    }  # fmt: skip
     assert injected["PYTHONPATH"] == f"{copy}/lib/{SITE_IN_LIB}:{copy}/lib"
     base = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
     env = {**base, **injected}

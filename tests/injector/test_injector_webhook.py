@@ -67,6 +67,13 @@ def test_plain_annotated_pod(webhook: Webhook) -> None:
         "FSDP_REPLAY_OUT": "/var/lib/fsdp-replay",
         "FSDP_REPLAY_PAYLOADS": "all",
         "PYTHONPATH": f"{SITE}:{LIB}",
+        # where it runs, for a replay Job made from its trace (fsdp_replay/injector/identity.py)
+        "FSDP_REPLAY_POD_IMAGE": "registry.example/ml/train:1.0",
+        "FSDP_REPLAY_POD_CONTAINER": "trainer",
+        "FSDP_REPLAY_POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
+        "FSDP_REPLAY_POD_NAMESPACE": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        "FSDP_REPLAY_POD_SERVICE_ACCOUNT": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}},
+        "FSDP_REPLAY_POD_REFS": '{"env":[],"envFrom":[],"imagePullSecrets":[]}',
     }
     assert trainer["volumeMounts"] == [
         {"name": "fsdp-replay-agent", "mountPath": "/opt/fsdp-replay", "readOnly": True},

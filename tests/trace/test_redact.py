@@ -259,6 +259,18 @@ def test_existing_forms_still_redacted() -> None:
     assert redact.redact_argv(argv) == ["train.py", "--api-key", R, f"--password={R}", "--steps", "2"]
 
 
+def test_image_digests_are_kept_and_other_hex_still_hidden() -> None:
+    """A pinned image (``repo@sha256:<64 hex>``) is the hash of public bytes: a replay Job needs it
+    (FSDP_REPLAY_POD_IMAGE); the same hex anywhere else is still taken for a key."""
+    digest = "sha256:" + HEX_KEY[:64].lower().ljust(64, "0")
+    image = f"registry.example/ml/train@{digest}"
+    assert redact.redact_value(image) == image
+    assert redact.redact_env({"FSDP_REPLAY_POD_IMAGE": image}) == {"FSDP_REPLAY_POD_IMAGE": image}
+    assert redact.redact_value(f"registry.example/ml/train:1.0@{digest}") != R
+    for hidden in (digest, f"x/{digest}", f"@sha256:{digest[7:].upper()}", f"{image}0", f"{image} {HEX_KEY}"):
+        assert redact.redact_value(hidden) == R, hidden
+
+
 def test_name_parts() -> None:
     assert redact.name_parts("--wandbApiKey2") == ["wandb", "api", "key", "2"]
     assert redact.name_parts("HFToken") == ["hf", "token"]
