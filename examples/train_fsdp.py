@@ -69,6 +69,8 @@ class Config:
     dropout: float = 0.1
     untied: bool = False
     dataset_size: int = 512
+    data_dir: str | None = None
+    prepare_data: str | None = None
     workers: int = 2
     fsdp1: bool = False
     ddp: bool = False
@@ -109,6 +111,18 @@ def parse_args(argv: list[str] | None = None) -> Config:
     add("--dropout", type=float, default=d.dropout, help="dropout probability")
     add("--untied", action="store_true", help="do not tie the LM head to the token embedding")
     add("--dataset-size", type=int, default=d.dataset_size, help="sequences in the synthetic dataset")
+    add(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="train on the token shards in DIR (written by --prepare-data) instead of generating the tokens",
+    )
+    add(
+        "--prepare-data",
+        default=None,
+        metavar="DIR",
+        help="write the synthetic dataset to DIR as token shards (int32 .bin files) and exit",
+    )
     add("--workers", type=int, default=d.workers, help="DataLoader worker processes")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
@@ -286,6 +300,49 @@ class MarkovTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return seq[:-1].clone(), seq[1:].clone()
 
 
+SHARD_SEQUENCES = 128
+
+
+def prepare_data(cfg: Config) -> None:
+    """The synthetic dataset as files: shard-NNNN.bin, each SHARD_SEQUENCES sequences of seq_len + 1
+    int32 tokens."""
+    os.makedirs(cfg.prepare_data or ".", exist_ok=True)
+    tokens = MarkovTokens(cfg.dataset_size, cfg.seq_len, cfg.vocab, cfg.seed)
+    for shard, start in enumerate(range(0, cfg.dataset_size, SHARD_SEQUENCES)):
+        rows = [
+            torch.cat([x[:1], y])
+            for x, y in (tokens[i] for i in range(start, min(start + SHARD_SEQUENCES, cfg.dataset_size)))
+        ]
+        path = os.path.join(cfg.prepare_data or ".", f"shard-{shard:04d}.bin")
+        with open(path, "wb") as f:
+            f.write(torch.stack(rows).to(torch.int32).numpy().tobytes())
+
+
+class TokenShards(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sequences read from the token shards in a folder, the way file-backed datasets work: the
+    constructor lists and sizes the shards, each item is read from its file."""
+
+    def __init__(self, folder: str, seq_len: int) -> None:
+        self.row_bytes = 4 * (seq_len + 1)
+        self.shards = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".bin")]
+        self.counts = [os.path.getsize(p) // self.row_bytes for p in self.shards]
+        if not self.shards:
+            raise FileNotFoundError(f"no token shards (*.bin) in {folder}: write them with --prepare-data")
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shard = 0
+        while index >= self.counts[shard]:
+            index -= self.counts[shard]
+            shard += 1
+        with open(self.shards[shard], "rb") as f:
+            f.seek(index * self.row_bytes)
+            row = torch.frombuffer(bytearray(f.read(self.row_bytes)), dtype=torch.int32).to(torch.int64)
+        return row[:-1].clone(), row[1:].clone()
+
+
 def micro_batches(loader: DataLoader[Any], sampler: DistributedSampler[Any]) -> Generator[Any, None, None]:
     epoch = 0
     while True:
@@ -389,7 +446,11 @@ def train(cfg: Config) -> None:
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
-    dataset = MarkovTokens(cfg.dataset_size, cfg.seq_len, cfg.vocab, cfg.seed)
+    dataset: Dataset[tuple[torch.Tensor, torch.Tensor]] = (
+        TokenShards(cfg.data_dir, cfg.seq_len)
+        if cfg.data_dir
+        else MarkovTokens(cfg.dataset_size, cfg.seq_len, cfg.vocab, cfg.seed)
+    )
     sampler: DistributedSampler[Any] = DistributedSampler(
         dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed
     )
@@ -467,4 +528,8 @@ def train(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    config = parse_args()
+    if config.prepare_data:
+        prepare_data(config)
+    else:
+        train(config)

@@ -31,6 +31,7 @@ from typing import Any
 
 HASH_LIMIT = 1 << 20
 MAX_FILES = 4096
+MAX_LISTED = 20000  # entries kept of one listed folder
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
@@ -101,8 +102,10 @@ class FileLedger:
         self.seen: set[tuple[str, bool]] = set()
         self.read: list[dict[str, Any]] = []
         self.written: list[dict[str, Any]] = []
+        self.listed: list[dict[str, Any]] = []
+        self._listed_paths: set[str] = set()
         self.overflow = 0
-        self._sent = (0, 0)
+        self._sent = (0, 0, 0)
         self._lock = threading.Lock()
         self._inside = threading.local()  # our own stat/open do not count
 
@@ -133,6 +136,8 @@ class FileLedger:
             self.note(args[1], write=True)
         elif event in ("os.remove", "os.mkdir", "os.rmdir", "os.truncate") and not isinstance(args[0], int):
             self.note(args[0], write=True)
+        elif event in ("os.listdir", "os.scandir") and args and isinstance(args[0], str | bytes | os.PathLike):
+            self.listing(args[0])
 
     def note(self, path: Any, write: bool) -> None:
         if getattr(self._inside, "busy", False) or not self.active():
@@ -164,12 +169,47 @@ class FileLedger:
         finally:
             self._inside.busy = False
 
+    def listing(self, path: Any) -> None:
+        """A folder the program lists: its entries as they are now (a dataset's folder, listed by its
+        constructor, so that a replay where the folder is gone lists it the same)."""
+        if getattr(self._inside, "busy", False) or not self.active():
+            return
+        self._inside.busy = True
+        try:
+            p = os.path.abspath(os.fsdecode(path))
+            if p.startswith(self.skip) or p + os.sep in self.skip:
+                return
+            with self._lock:
+                if p in self._listed_paths:
+                    return
+                if len(self._listed_paths) >= MAX_FILES:
+                    self.overflow += 1
+                    return
+                self._listed_paths.add(p)
+            entries: list[list[Any]] = []
+            truncated = False
+            with os.scandir(p) as it:
+                for e in it:
+                    if len(entries) >= MAX_LISTED:
+                        truncated = True
+                        break
+                    try:
+                        st = e.stat()
+                        entries.append([e.name, e.is_dir(), st.st_size, st.st_mtime_ns])
+                    except OSError:
+                        continue
+            self.listed.append({"path": p, "entries": entries, "truncated": truncated})
+        except Exception:  # never the program's problem
+            pass
+        finally:
+            self._inside.busy = False
+
     def take(self) -> dict[str, Any] | None:
         """The entries new since the last call, as a ``files`` event body; None when nothing is."""
         with self._lock:
-            r0, w0 = self._sent
-            read, written = self.read[r0:], self.written[w0:]
-            self._sent = (len(self.read), len(self.written))
-        if not read and not written:
+            r0, w0, l0 = self._sent
+            read, written, listed = self.read[r0:], self.written[w0:], self.listed[l0:]
+            self._sent = (len(self.read), len(self.written), len(self.listed))
+        if not read and not written and not listed:
             return None
-        return {"read": read, "written": written, "overflow": self.overflow}
+        return {"read": read, "written": written, "listed": listed, "overflow": self.overflow}

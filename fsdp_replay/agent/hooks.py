@@ -208,9 +208,18 @@ class Hooks:
     def _next(self, original: Callable[..., Any]) -> Callable[..., Any]:
         owner = self.owner
         seen = Guarded(owner, "DataLoader batch")(owner.on_batch)
+        # the recorder notes the process's RNG before a fetch, to record it after one that drew
+        before = (
+            Guarded(owner, "DataLoader batch")(owner.before_batch) if hasattr(owner, "before_batch") else None
+        )
 
         def __next__(it: Any) -> Any:
-            batch = original(it)
+            if before is not None:
+                before()
+            # The fetch's ops are the data pipeline's (a collate's stack, a transform): not taped,
+            # not op-fingerprinted, since a replay serves the batch without running them.
+            with agent_work():
+                batch = original(it)
             replacement = seen(it, batch)  # the replayer feeds recorded batches this way
             return batch if replacement is None else replacement
 

@@ -460,6 +460,9 @@ class Recorder:
             self.state.gpu.boundary()
         self.micro_ends.append(self.state.t_ns())
 
+    def before_batch(self) -> None:
+        self.batch_recorder.before()
+
     def on_batch(self, iterator: Any, batch: Any) -> None:
         if self.tape is not None and self.tape.pending:
             self.tape.install_missing()

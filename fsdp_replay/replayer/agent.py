@@ -550,6 +550,13 @@ class Replayer:
             self.key.at_start()
         if missed := env_watch.missed():
             self.notes.append(env_watch.note(missed))
+        ghosts = sorted(self.files.ghosts.served) if getattr(self, "files", None) is not None else []
+        if ghosts:
+            self.notes.append(
+                f"{len(ghosts)} paths the recorded run saw are not here ({', '.join(ghosts[:3])}"
+                f"{' ...' if len(ghosts) > 3 else ''}): the program was shown them as recorded (names, sizes, "
+                "times; no content), and served the recorded batches"
+            )
         out = Path(self.config.report)
         if self.live:
             out = out / RANK_REPORT_FMT.format(rank=self.rank)

@@ -76,10 +76,96 @@ def _absent(path: Any) -> OSError:
     return FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(path))
 
 
+class Ghosts:
+    """What the recorded run saw of files that are gone where the replay runs: the folders it
+    listed (names, sizes, times) and the files it read (size, time), never their content. A
+    dataset's constructor that lists and sizes its folder works the same; its data is never read,
+    since the replay serves the recorded batches (``serve.py``)."""
+
+    def __init__(self, ledger: dict[str, Any]) -> None:
+        self.dirs: dict[str, list[list[Any]]] = {}
+        self.files: dict[str, tuple[int, int]] = {}
+        for d in ledger.get("listed", []):
+            self.dirs[d["path"]] = d["entries"]
+            for name, is_dir, size, mtime_ns in d["entries"]:
+                path = os.path.join(d["path"], name)
+                if is_dir:
+                    self.dirs.setdefault(path, [])
+                else:
+                    self.files[path] = (int(size), int(mtime_ns))
+        for r in ledger.get("read", []):
+            self.files.setdefault(r["path"], (int(r["size"]), int(r["mtime_ns"])))
+        self.served: set[str] = set()  # paths answered from the record (the report lists them)
+
+    def known(self, p: str) -> bool:
+        return p in self.files or p in self.dirs or any(d.startswith(p + os.sep) for d in self.dirs)
+
+    def stat(self, p: str) -> os.stat_result | None:
+        import stat
+
+        if p in self.files:
+            size, mtime_ns = self.files[p]
+            mode = stat.S_IFREG | 0o444
+        elif p in self.dirs or any(d.startswith(p + os.sep) for d in self.dirs):
+            size, mtime_ns, mode = 0, 0, stat.S_IFDIR | 0o555
+        else:
+            return None
+        self.served.add(p)
+        t = mtime_ns / 1e9
+        return os.stat_result(
+            (mode, 0, 0, 1, 0, 0, size, t, t, t),
+            {"st_atime_ns": mtime_ns, "st_mtime_ns": mtime_ns, "st_ctime_ns": mtime_ns},
+        )
+
+    def names(self, p: str) -> list[str] | None:
+        entries = self.dirs.get(p)
+        if entries is None:
+            return None
+        self.served.add(p)
+        return [e[0] for e in entries]
+
+
+class _GhostEntry:
+    """An ``os.DirEntry`` of a recorded folder that is gone here."""
+
+    def __init__(self, folder: str, name: str, ghosts: Ghosts) -> None:
+        self.name = name
+        self.path = os.path.join(folder, name)
+        self._ghosts = ghosts
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        st = self._ghosts.stat(self.path)
+        if st is None:
+            raise _absent(self.path)
+        return st
+
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+        return self.path in self._ghosts.dirs
+
+    def is_file(self, *, follow_symlinks: bool = True) -> bool:
+        return self.path in self._ghosts.files
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def inode(self) -> int:
+        return 0
+
+    def __fspath__(self) -> str:
+        return self.path
+
+
+class _RecordedOnly(FileNotFoundError):
+    """A file the recorded run read that is gone where the replay runs."""
+
+
 class Overlay:
     """The replay's view of the files (module docstring)."""
 
-    def __init__(self, root: Path, created: set[str], known: set[str], keep: list[str]) -> None:
+    def __init__(
+        self, root: Path, created: set[str], known: set[str], keep: list[str], ghosts: Ghosts | None = None
+    ) -> None:
+        self.ghosts = ghosts or Ghosts({})
         self.root = os.path.realpath(root)
         self.created = created  # by the recorded run: absent until the replay writes them
         self.removed: set[str] = set()  # by the replay
@@ -128,6 +214,24 @@ class Overlay:
             raise _absent(path)
         return path
 
+    def _gone(self, path: Any) -> str | None:
+        """The absolute path when ``path`` is one the recorded run saw and is gone here."""
+        p = self._path(path)
+        if p is None or self.hidden(p) or _lexists(self.upper(p)) or _lexists(p):
+            return None
+        return p if self.ghosts.known(p) else None
+
+    def _content_gone(self, path: Any) -> None:
+        p = self._gone(path)
+        if p is not None and p in self.ghosts.files:
+            raise _RecordedOnly(
+                errno.ENOENT,
+                "the recorded run read this file, which is not where the replay runs: the trace keeps its "
+                "size and time, not its content (the replay serves the recorded batches; a program that "
+                "reads its data outside a DataLoader needs it here)",
+                os.fsdecode(path),
+            )
+
     def write(self, path: Any, copy_up: bool = False) -> Any:
         """The path to write ``path`` at (in the private folder); copies the file up first when
         ``copy_up`` (appending, updating)."""
@@ -145,9 +249,11 @@ class Overlay:
 
     # -- the patched functions -----------------------------------------------------------------
     def open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        target = (
-            self.write(file, copy_up="a" in mode or "+" in mode) if is_write(mode, None) else self.read(file)
-        )
+        if is_write(mode, None):
+            target = self.write(file, copy_up="a" in mode or "+" in mode)
+        else:
+            self._content_gone(file)
+            target = self.read(file)
         return _real["open"](target, mode, *args, **kwargs)
 
     def os_open(self, path: Any, flags: int, mode: int = 0o777, *, dir_fd: Any = None) -> int:
@@ -156,6 +262,7 @@ class Overlay:
         if is_write(None, flags):
             target = self.write(path, copy_up=not flags & os.O_TRUNC)
         else:
+            self._content_gone(path)
             target = self.read(path)
         return int(_real["os.open"](target, flags, mode))
 
@@ -165,7 +272,13 @@ class Overlay:
         def stat(path: Any, *args: Any, dir_fd: Any = None, **kwargs: Any) -> Any:
             if dir_fd is not None:
                 return real(path, *args, dir_fd=dir_fd, **kwargs)
-            return real(self.read(path), *args, **kwargs)
+            try:
+                return real(self.read(path), *args, **kwargs)
+            except FileNotFoundError:
+                p = self._gone(path)
+                if p is None:
+                    raise
+                return self.ghosts.stat(p)
 
         return stat
 
@@ -178,7 +291,10 @@ class Overlay:
         if _isdir(u):
             names += [n for n in _real["listdir"](u) if n not in names]
         elif not self.exists_below(p):
-            raise _absent(path)
+            recorded = self.ghosts.names(p) if self._gone(path) else None
+            if recorded is None:
+                raise _absent(path)
+            names = recorded
         return [os.fsencode(n) for n in names] if isinstance(path, bytes) else names
 
     def _lower_names(self, p: str) -> list[str]:
@@ -199,7 +315,10 @@ class Overlay:
             with _real["scandir"](u) as it:
                 entries.update((e.name, e) for e in it)
         elif not self.exists_below(p):
-            raise _absent(path)
+            recorded = self.ghosts.names(p) if self._gone(path) else None
+            if recorded is None:
+                raise _absent(path)
+            entries = {n: _GhostEntry(p, n, self.ghosts) for n in recorded}
         return _Entries(list(entries.values()))
 
     def mkdir(self, path: Any, mode: int = 0o777, *, dir_fd: Any = None) -> None:
@@ -325,7 +444,9 @@ def install(root: Path, ledger: dict[str, Any], keep: list[str]) -> Overlay:
 
     written = {w["path"] for w in ledger.get("written", [])}
     created = {w["path"] for w in ledger.get("written", []) if not w.get("existed")}
-    view = Overlay(root, created, written, [*excluded_roots(), *_cache_roots(), *keep])
+    # the temp folder is the replay's own, except where the recorded run kept, read or listed files
+    known = written | {e["path"] for key in ("read", "listed") for e in ledger.get(key, [])}
+    view = Overlay(root, created, known, [*excluded_roots(), *_cache_roots(), *keep], Ghosts(ledger))
     Path(view.root).mkdir(parents=True, exist_ok=True)
     _real.update(
         {
@@ -376,7 +497,7 @@ def map_ledger(ledger: dict[str, Any], pairs: list[tuple[str, str]]) -> dict[str
     if not pairs:
         return ledger
     out = dict(ledger)
-    for key in ("read", "written"):
+    for key in ("read", "written", "listed"):
         out[key] = [{**e, "path": mapped(e["path"], pairs)} for e in ledger.get(key, [])]
     return out
 

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import dataloader
 
 from fsdp_replay.agent import capture
+from fsdp_replay.agent.tape import agent_work
 from fsdp_replay.replayer.expected import ExpectedTensor, RankRecord, torch_dtype
 
 DATA_MODES = ("auto", "recorded", "live")
@@ -229,6 +230,12 @@ class ServedIterator(dataloader._BaseDataLoaderIter):
         self._prefetch()
 
     def __next__(self) -> Any:
+        # as the recorder's DataLoader hook runs the fetch: the data pipeline's ops are not the
+        # program's (neither taped nor op-checked)
+        with agent_work():
+            return self._next()
+
+    def _next(self) -> Any:
         server = self._server
         n = server.next_batch
         if self._map_style:

@@ -114,7 +114,7 @@ class Coll(_CollOptional):
     tensors: list[Tensor]
 
 
-class Batch(TypedDict):
+class _Batch(TypedDict):
     type: str
     step: int
     micro: int
@@ -122,6 +122,12 @@ class Batch(TypedDict):
     loader: int
     structure: Any
     tensors: list[Tensor]
+
+
+class Batch(_Batch, total=False):
+    rng: int
+    """Format 4: the blob of the process's RNG states right after the fetch, present only where the
+    fetch changed them (a dataset or collate function drawing random numbers in the process)."""
 
 
 class _Step(TypedDict):
@@ -186,7 +192,7 @@ class AgentError(_AgentError, total=False):
     seq: int
 
 
-class Files(TypedDict):
+class _Files(TypedDict):
     """Files the program read (before writing them) and wrote since the last ``files`` event."""
 
     type: str
@@ -196,6 +202,13 @@ class Files(TypedDict):
     """``{"path", "existed"}``: written, created, renamed or removed; whether it existed before."""
     overflow: int
     """Paths not kept beyond the ledger's bound (``agent/files.py``)."""
+
+
+class Files(_Files, total=False):
+    listed: list[dict[str, Any]]
+    """Format 4: folders the program listed (``os.listdir``/``scandir``, glob, ``Path.iterdir``):
+    ``{"path", "entries": [[name, is_dir, size, mtime_ns], ...], "truncated"}``, so a replay where
+    the folder is gone (a dataset's) still lists it."""
 
 
 class OpFp(TypedDict):

@@ -90,7 +90,7 @@ class RankBuilder:
         self.attrs: dict[str, Any] = {
             "rank_start": None,
             "process_groups": [],
-            "files": {"read": [], "written": [], "overflow": 0},
+            "files": {"read": [], "written": [], "listed": [], "overflow": 0},
             "urandom": {"calls": [], "overflow": 0},
             "numerics_changes": [],
             "compiled": {"graphs": [], "calls": [], "modules": [], "errors": []},
@@ -222,6 +222,7 @@ class RankBuilder:
         files = self.attrs["files"]
         files["read"].extend(ev["read"])
         files["written"].extend(ev["written"])
+        files["listed"].extend(ev.get("listed", []))
         files["overflow"] = max(files["overflow"], int(ev["overflow"]))
 
     def _ev_urandom(self, ev: dict[str, Any]) -> None:
@@ -293,6 +294,7 @@ class RankBuilder:
             "structure": sid,
             "tensor_start": tstart,
             "tensor_count": len(ev["tensors"]),
+            "rng": self._payload(int(ev["rng"])) if "rng" in ev else -1,
         }
         for k, v in values.items():
             b[k].append(v)

@@ -281,6 +281,7 @@ TABLES: dict[str, dict[str, str]] = {
         "structure": "int32",
         "tensor_start": "int64",
         "tensor_count": "int32",
+        "rng": "int64",
     },
     "batch_tensors": {
         "batch": "int64",

@@ -99,6 +99,8 @@ def test_event_keys_pinned() -> None:
 def test_optional_event_keys_pinned() -> None:
     assert {k: set(v) for k, v in schema.OPTIONAL_EVENT_KEYS.items()} == {
         "coll": {"extra", "async"},
+        "batch": {"rng"},
+        "files": {"listed"},
         "end": {"inflight", "exception"},
         "step": {"cpu_ns", "counters", "micro_t_ns"},
         "memory": {"actions", "sites", "full", "base", "moved", "error", "final"},
@@ -172,6 +174,7 @@ def test_tables_pinned() -> None:
             "structure": "int32",
             "tensor_start": "int64",
             "tensor_count": "int32",
+            "rng": "int64",
         },
         "batch_tensors": {
             "batch": "int64",

@@ -39,6 +39,36 @@ class RandomTokens(Dataset):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i])}
 
 
+class FolderTokens(Dataset):
+    """The same batches read from token shards in a folder (``--data-dir``, written by
+    ``--prepare-data``): the constructor lists and sizes them, each item is read from its file, as
+    file-backed datasets do."""
+
+    ROWS = 64
+
+    def __init__(self, folder: str) -> None:
+        self.files = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".pt")]
+        if not self.files or any(os.path.getsize(f) == 0 for f in self.files):
+            raise FileNotFoundError(f"no token shards in {folder}")
+
+    def __len__(self) -> int:
+        return len(self.files) * self.ROWS
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.load(self.files[i // self.ROWS])[i % self.ROWS]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def prepare(folder: str, n: int, seq_len: int) -> None:
+    os.makedirs(folder, exist_ok=True)
+    ids = RandomTokens(n, seq_len).ids
+    for k in range(0, n, FolderTokens.ROWS):
+        torch.save(
+            ids[k : k + FolderTokens.ROWS].clone(),
+            os.path.join(folder, f"tokens-{k // FolderTokens.ROWS:04d}.pt"),
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=4, help="optimizer steps")
@@ -46,7 +76,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--save-params", default="")
+    p.add_argument("--data-dir", default="", help="read the tokens from shards in this folder")
+    p.add_argument("--prepare-data", default="", help="write the token shards to this folder and exit")
     args, _unknown = p.parse_known_args()
+    n_samples = 16 * args.batch_size * args.accum * int(os.environ.get("WORLD_SIZE", "1"))
+    if args.prepare_data:
+        prepare(args.prepare_data, n_samples, args.seq_len)
+        return
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -71,7 +107,7 @@ def main() -> None:
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=args.steps)
-    data = RandomTokens(16 * args.batch_size * args.accum * dist.get_world_size(), args.seq_len)
+    data = FolderTokens(args.data_dir) if args.data_dir else RandomTokens(n_samples, args.seq_len)
     sampler = DistributedSampler(data, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
 
