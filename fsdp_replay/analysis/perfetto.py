@@ -10,6 +10,8 @@ One process per rank (``pid`` = rank), its tracks as threads:
 - ``collectives pg N``: each collective from its issue to the completion the agent saw, named by
   its op, with its sequence number, process group, bytes and fingerprints in ``args``; collectives
   in flight together go to extra lanes (``pg N #2``), since slices on one thread must nest;
+- ``cuda stream S``: the kernels and copies CUPTI saw (format 4 ``kernels``/``copies``), their
+  device times mapped to the host clock;
 - counters (``C``): the caching allocator's requested and reserved bytes after each action of the
   ``--alloc-history`` steps, and torch's counters at each step's end;
 - instants (``i``): out-of-memory errors and collectives written down as stuck.
@@ -20,6 +22,7 @@ wall clock (``rank_start.t0_wall_ns`` + ``t_ns``), so ranks line up as well as t
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -123,10 +126,17 @@ class RankTimeline:
         r, tl = self.r, self.tl
         host = r.meta.get("host")
         tl.name_process(self.pid, f"rank {r.rank}" + (f" ({host})" if host else ""), r.rank)
+        attempts = int(r.attrs.get("attempts") or 1)
+        if attempts > 1:  # the trace keeps the first attempt's clock only
+            self.notes.append(
+                f"rank {r.rank} started {attempts} times: each later attempt's times count from its own "
+                "process start, and are drawn from the first attempt's"
+            )
         starts = self._steps()
         self._micro_steps(starts)
         self._collectives()
         self._stuck()
+        self._device_activity()
         self._allocator()
         self._ooms()
         return self.notes
@@ -251,6 +261,41 @@ class RankTimeline:
                 self.pid, TID_STEPS, f"stuck in {s.get('op')}", self.t0 + int(s["t_ns"]), "stuck", args
             )
 
+    # -- the device ----------------------------------------------------------------------------
+    def _device_activity(self) -> None:
+        """Kernels and copies (CUPTI, format 4), on their streams' tracks."""
+        r = self.r
+        has = [name for name in ("kernels", "copies") if r.has_table(name) and len(r.table(name))]
+        if not has:
+            return
+        clock = DeviceClock.of(r)
+        if clock is None:
+            self.notes.append(
+                f"rank {r.rank}: kernels and copies left out: the trace has no device-to-host clock pair"
+            )
+            return
+        streams: dict[tuple[int, int], int] = {}
+
+        def tid_of(device: int, stream: int) -> int:
+            key = (device, stream)
+            if key not in streams:
+                streams[key] = TID_STREAM_BASE + len(streams)
+                self.tl.name_thread(self.pid, streams[key], f"cuda stream {stream} (device {device})")
+            return streams[key]
+
+        for table in has:
+            attempt, last_corr = 0, None
+            for row in _device_rows(r, table):
+                if last_corr is None or row["corr"] < last_corr:  # a process attempt's first row
+                    attempt = clock.attempt_at(row["start_ns"])
+                last_corr = row["corr"]
+                start = clock.to_host(row.pop("start_ns"), attempt)
+                end = clock.to_host(row.pop("end_ns"), attempt)
+                name = row.pop("label")
+                tid = tid_of(row["device"], row["stream"])
+                cat = "kernel" if table == "kernels" else "copy"
+                self.tl.slice(self.pid, tid, name, self.t0 + start, self.t0 + end, cat, row)
+
     # -- the caching allocator -----------------------------------------------------------------
     def _allocator(self) -> None:
         r = self.r
@@ -323,6 +368,55 @@ def allocator_series(r: RankTrace) -> Iterator[tuple[int, int, int]]:
         reserved += d_res.get(action, 0) * nbytes
         if t_ns >= 0:
             yield t_ns, requested, reserved
+
+
+class DeviceClock:
+    """CUPTI ns -> a rank's t_ns (docs/trace-format.md, "On the rank's timeline"): by the first
+    clock pair of the row's process attempt (``cupti.clock``: ``[cupti_ns, t_ns, attempt]``, read
+    when the capture armed). An attempt's rows follow the earlier attempts' and their ``corr``
+    starts again low; which attempt they are is the attempt of the last pair read before the
+    first of them (CUPTI's clock runs on across a restart on one host)."""
+
+    def __init__(self, pairs: list[tuple[int, int, int]]) -> None:
+        self.pairs = sorted(pairs)
+        self.keys = [p[0] for p in self.pairs]
+        self.first: dict[int, tuple[int, int]] = {}
+        for cupti_ns, t_ns, attempt in self.pairs:
+            self.first.setdefault(attempt, (cupti_ns, t_ns))
+
+    @classmethod
+    def of(cls, r: RankTrace) -> DeviceClock | None:
+        clock = (r.attrs.get(schema.CUPTI_ATTR) or {}).get("clock") or []
+        pairs = [(int(p[0]), int(p[1]), int(p[2]) if len(p) > 2 else 0) for p in clock]
+        return cls(pairs) if pairs else None
+
+    def attempt_at(self, cupti_ns: int) -> int:
+        return self.pairs[max(bisect.bisect_right(self.keys, cupti_ns) - 1, 0)][2]
+
+    def to_host(self, cupti_ns: int, attempt: int) -> int:
+        armed_cupti, armed_t = self.first.get(attempt, self.pairs[0][:2])
+        return cupti_ns - armed_cupti + armed_t
+
+
+def _device_rows(r: RankTrace, table: str) -> Iterator[dict[str, Any]]:
+    t = r.table(table)
+    kernel_names = r.names("kernel")
+    cols = {
+        c: t[c].tolist() for c in ("step", "micro", "seq", "corr", "start_ns", "end_ns", "device", "stream")
+    }
+    extra = {c: t[c].tolist() for c in (("name",) if table == "kernels" else ("kind", "bytes"))}
+    for i in range(len(t)):
+        row: dict[str, Any] = {c: int(v[i]) for c, v in cols.items()}
+        if table == "kernels":
+            code = int(extra["name"][i])
+            row["label"] = kernel_names[code] if 0 <= code < len(kernel_names) else f"kernel {code}"
+        else:
+            kind = int(extra["kind"][i])
+            row["label"] = (
+                schema.COPY_KINDS[kind] if 0 <= kind < len(schema.COPY_KINDS) else f"copy kind {kind}"
+            )
+            row["bytes"] = int(extra["bytes"][i])
+        yield row
 
 
 def _json_float(x: float) -> float | str:
