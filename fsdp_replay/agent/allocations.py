@@ -170,8 +170,15 @@ class MemoryRecorder:
     # -- life cycle -----------------------------------------------------------------------
     def start(self, step: int) -> None:
         """Watch for OOMs, and start the history if ``step`` is in the window."""
-        # An observer cannot be detached: it checks ``done`` (and the recorder's state) instead.
-        torch._C._cuda_attach_out_of_memory_observer(self._on_oom)  # type: ignore[attr-defined]
+        try:
+            read_stats(self.device)
+            # An observer cannot be detached: it checks ``done`` (and the recorder's state) instead.
+            torch._C._cuda_attach_out_of_memory_observer(self._on_oom)  # type: ignore[attr-defined]
+        except (RuntimeError, AttributeError, NotImplementedError) as e:
+            # another allocator (torch.cuda.memory.change_current_allocator) may have neither
+            self.done = True
+            log.warning("fsdp-replay: CUDA memory is not recorded: this allocator does not tell (%s)", e)
+            return
         if step in self.window:
             self._history(True)
 
