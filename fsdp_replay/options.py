@@ -215,3 +215,10 @@ def env_option(
         parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=value, help=text, **kwargs)
     else:
         parser.add_argument(*flags, type=int if kind == "int" else str, default=value, help=text, **kwargs)
+
+
+def usage_with_command(parser: argparse.ArgumentParser, command: str) -> None:
+    """Show ``command`` (the program's command line after ``--``) at the end of the usage line:
+    argparse cannot, since everything after ``--`` is taken apart before parsing."""
+    text = parser.format_usage().removeprefix("usage: ").rstrip()
+    parser.usage = f"{text} {command}".replace("%", "%%")

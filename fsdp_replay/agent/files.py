@@ -136,7 +136,9 @@ class FileLedger:
             self.note(args[1], write=True)
         elif event in ("os.remove", "os.mkdir", "os.rmdir", "os.truncate") and not isinstance(args[0], int):
             self.note(args[0], write=True)
-        elif event in ("os.listdir", "os.scandir") and args and isinstance(args[0], str | bytes | os.PathLike):
+        elif (
+            event in ("os.listdir", "os.scandir") and args and isinstance(args[0], str | bytes | os.PathLike)
+        ):
             self.listing(args[0])
 
     def note(self, path: Any, write: bool) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 from fsdp_replay import __version__
 from fsdp_replay.cli.render import print_collect
 from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError
-from fsdp_replay.options import env_option
+from fsdp_replay.options import env_option, usage_with_command
 from fsdp_replay.trace import schema, spool
 from fsdp_replay.trace.layout import ATTACHED_DIR, RUN_JSON, atomic_write, attached_dir
 
@@ -349,6 +349,7 @@ def register(sub: Any) -> None:
         help="keep the spool folder after building the trace (always kept when any record was damaged)",
     )
     r.set_defaults(func=cmd_record)
+    usage_with_command(r, "-- COMMAND [ARG ...]")
 
     c = sub.add_parser("collect", help="build (or rebuild) a run's trace from its spools")
     c.add_argument("run", help="the run folder given to record --out")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_replay.errors import ConfigError, ExitCode
-from fsdp_replay.options import env_option
+from fsdp_replay.options import env_option, usage_with_command
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.layout import (
     RANK_REPORT_FMT,
@@ -81,10 +81,39 @@ def cmd_replay(args: argparse.Namespace) -> int:
         f"fsdp-replay: replaying {who} of {world} from step {args.from_step}: {' '.join(command)}",
         file=sys.stderr,
     )
+    if args.from_step > 0:
+        print(f"fsdp-replay: {_plan(trace, args)}", file=sys.stderr)
     code, _info = run_command(command, env, cwd=cwd)
     if args.all_ranks:
         return _finish_all_ranks(out, world, code, notes)
     return finish_report(out / REPORT_JSON, code, notes)
+
+
+def _plan(trace: Any, args: argparse.Namespace) -> str:
+    """What a replay from step S will do before S, said before it starts."""
+    snaps = [
+        int(s["step"])
+        for s in trace.rank(args.rank).attrs.get("snapshots", [])
+        if int(s["step"]) <= args.from_step and int(s.get("payload", -1)) >= 0
+    ]
+    if not snaps or max(snaps) == 0:
+        return (
+            f"no snapshot after step 0 is at or before step {args.from_step}: every step from 0 is verified"
+        )
+    at = max(snaps)
+    if args.all_ranks:
+        return f"each rank restores its snapshot of step {at} after computing the steps before it"
+    warm = min(args.fast_forward_warmup, at)
+
+    def steps(a: int, b: int) -> str:
+        return f"step {a}" if a == b else f"steps {a}..{b}"
+
+    how = f"{steps(0, warm - 1)} compute" if warm else "no step computes up front"
+    if warm < at:
+        how += f", {steps(warm, at - 1)} run without kernels (the model skipped)"
+    return (
+        f"the snapshot of step {at} is restored when the program reaches it; {how}; verified from step {at}"
+    )
 
 
 def finish_report(report_path: Path, code: int, notes: list[str]) -> int:
@@ -216,3 +245,4 @@ def register(sub: Any) -> None:
         "(default 2: frameworks finish their set-up in the first steps)",
     )
     rp.set_defaults(func=cmd_replay)
+    usage_with_command(rp, "[-- COMMAND [ARG ...]]")
