@@ -123,6 +123,12 @@ CONFIGS: tuple[Config, ...] = (
         "metadata + fingerprints, every collective recorded by the Python kernels (no C++ kernel)",
     ),
     Config(
+        "window4",
+        ("--payloads", "window:4"),
+        "the flight recorder: every step's payloads held in memory (the last 4 steps and a snapshot), "
+        "none written by a run that ends well (the Python kernels: the C++ kernel keeps no payloads)",
+    ),
+    Config(
         "meta-notape",
         ("--payloads", "none", "--no-tape"),
         "metadata + fingerprints, nondeterministic kernels not taped (--no-tape)",
@@ -231,7 +237,9 @@ def build_command(cfg: Config, run_dir: Path, train_args: list[str]) -> list[str
 
 def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[dict[str, Any], list[str]]:
     """Check the run's trace (benchlib.check_trace); return (inspect's summary, problems)."""
-    return shared_check_trace(run_dir, NPROC, steps, "all" if cfg.payloads else "none", cfg.snapshot_every)
+    window = next((a for a in cfg.record_args or () if a.startswith("window:")), None)
+    policy = "all" if cfg.payloads else window or "none"
+    return shared_check_trace(run_dir, NPROC, steps, policy, cfg.snapshot_every)
 
 
 def agent_cpu_ms_per_step(run_dir: Path, warmup: int) -> tuple[float, float] | None:

@@ -148,7 +148,8 @@ def fmt_bytes(x: float | None) -> str:
 def check_trace(
     run_dir: Path, nproc: int, steps: int, payloads: str, snapshot_every: int
 ) -> tuple[dict[str, Any], list[str]]:
-    """Check a recording through ``fsdp-replay inspect --json``. payloads: all, none or steps:A-B."""
+    """Check a recording through ``fsdp-replay inspect --json``. payloads: all, none, steps:A-B or
+    window:N (the flight recorder: a run that ends well writes no payload and no snapshot)."""
     out = subprocess.run(
         [sys.executable, "-m", "fsdp_replay", "inspect", str(run_dir), "--json"],
         cwd=REPO,
@@ -172,6 +173,8 @@ def check_trace(
     if summary.get("missing_ranks"):
         problems.append(f"missing ranks {summary['missing_ranks']}")
     want_snaps = sorted({0, *range(snapshot_every, steps + 1, snapshot_every)}) if snapshot_every else [0]
+    if payloads.startswith("window:"):
+        want_snaps = []
     for r in summary.get("per_rank", []):
         rk = r.get("rank")
         if r.get("steps") != steps:
@@ -193,6 +196,8 @@ def check_trace(
             problems.append(f"rank {rk}: payloads for {stored} of {outputs} outputs with --payloads all")
         elif payloads == "none" and stored:
             problems.append(f"rank {rk}: {stored} payloads stored with --payloads none")
+        elif payloads.startswith("window:") and (stored or (r.get("flight_recorder") or {}).get("dumps")):
+            problems.append(f"rank {rk}: {stored} payloads stored by a run that ended well with {payloads}")
         elif payloads.startswith("steps:"):
             window = payloads.split(":", 1)[1]
             if not stored or stored >= (outputs or 0) or cov.get("steps") != window:

@@ -20,30 +20,39 @@ MODES = ("off", "record", "replay")
 
 @dataclass(frozen=True, slots=True)
 class StepSet:
-    """A set of step numbers from a spec such as ``0-3,10,20-`` (open-ended ranges allowed)."""
+    """A set of step numbers from a spec such as ``0-3,10,20-`` (open-ended ranges allowed), or
+    the rolling window of the payload flight recorder (``window:N``, ``agent/flight.py``)."""
 
     ranges: tuple[tuple[int, int | None], ...] = ()
     everything: bool = False
+    window: int = 0
+    """``window:N``: every step's payloads are taken, but held in memory (the last N steps and
+    the step in progress) and written only when the run fails; 0: not a window."""
 
     def __contains__(self, step: object) -> bool:
         if not isinstance(step, int):
             return False
-        if self.everything:
+        if self.everything or self.window:
             return True
         return any(lo <= step and (hi is None or step <= hi) for lo, hi in self.ranges)
 
     @property
     def empty(self) -> bool:
-        return not self.everything and not self.ranges
+        return not self.everything and not self.ranges and not self.window
 
     @classmethod
     def parse(cls, spec: str) -> StepSet:
-        """``none`` | ``all`` | ``steps:SPEC`` (or a bare SPEC)."""
+        """``none`` | ``all`` | ``steps:SPEC`` (or a bare SPEC) | ``window:N``."""
         spec = spec.strip()
         if spec in ("", "none"):
             return cls()
         if spec == "all":
             return cls(everything=True)
+        if spec.startswith("window:"):
+            m = re.fullmatch(r"window:\s*(\d+)\s*", spec)
+            if not m or int(m.group(1)) < 1:
+                raise ConfigError(f"bad step spec {spec!r}: a window is window:N with N >= 1 steps")
+            return cls(window=int(m.group(1)))
         body = spec.removeprefix("steps:")
         ranges: list[tuple[int, int | None]] = []
         for part in body.split(","):
@@ -60,6 +69,8 @@ class StepSet:
     def __str__(self) -> str:
         if self.everything:
             return "all"
+        if self.window:
+            return f"window:{self.window}"
         if not self.ranges:
             return "none"
         return "steps:" + ",".join(
@@ -145,7 +156,8 @@ class RecordConfig:
     out: str = ""
     """The run folder: spools go to OUT/spool, the trace to OUT/trace.zarr."""
     payloads: StepSet = field(default_factory=lambda: StepSet(everything=True))
-    """Steps whose collective outputs and batches are stored (``none``, ``all``, ``steps:SPEC``)."""
+    """Steps whose collective outputs and batches are stored (``none``, ``all``, ``steps:SPEC``), or
+    ``window:N``: those of the last N steps held in memory, written only when the run fails."""
     payload_inputs: bool = False
     """Also store collective inputs (outputs alone suffice for replay)."""
     module_fingerprints: StepSet = field(default_factory=StepSet)
@@ -154,11 +166,13 @@ class RecordConfig:
     """Steps whose every op's inputs and outputs are fingerprinted (a dispatch mode: costly), so a
     replay names the first op that computed another result from the same inputs."""
     snapshot_every: int = 0
-    """Snapshot the rank's state every N steps (0: only at step 0)."""
+    """Snapshot the rank's state every N steps (0: only at step 0; with ``window:N``: every N,
+    held in memory with the window)."""
     sync_steps: bool = True
     """Wait at each step end until the step's records are written (crash consistency)."""
     max_pending_bytes: int = 1 << 30
-    """Payload bytes waiting for the writer beyond which new payloads are dropped (and counted)."""
+    """Payload bytes waiting for the writer (or, with ``window:N``, held in memory) beyond which
+    new payloads are dropped (and counted)."""
     reserve_bytes: int = 16 << 20
     """Disk space held back per rank for metadata, released when payloads fill the disk."""
     tape: bool = True
@@ -192,6 +206,19 @@ class RecordConfig:
             raise ConfigError(f"{ENV_PREFIX}OUT must name the run folder when {ENV_PREFIX}MODE=record")
         if self.max_pending_bytes < 1:
             raise ConfigError(f"{ENV_PREFIX}MAX_PENDING_BYTES={self.max_pending_bytes} must be >= 1")
+        for name in ("module_fingerprints", "op_fingerprints", "tape_payloads"):
+            value = getattr(self, name)
+            if value is not None and value.window:
+                raise ConfigError(
+                    f"{ENV_PREFIX}{name.upper()}={value}: only {ENV_PREFIX}PAYLOADS takes a window "
+                    "(it holds every stored payload, the tape's included)"
+                )
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Steps between snapshots (0: only step 0's): ``snapshot_every``, or with a payload window
+        the window's length, so that a snapshot at or before the window's start is always held."""
+        return self.snapshot_every or self.payloads.window
 
     @property
     def enabled(self) -> bool:

@@ -38,10 +38,12 @@ from fsdp_replay.agent.cxx.bridge import KernelBridge
 from fsdp_replay.agent.entropy import EntropyRecorder
 from fsdp_replay.agent.files import FileLedger
 from fsdp_replay.agent.fingerprint import fingerprint_many, host_values, native
+from fsdp_replay.agent.flight import FlightRecorder
 from fsdp_replay.agent.gpu_activity import GpuActivity
 from fsdp_replay.agent.op_tap import OpRecorder
 from fsdp_replay.agent.process_groups import ProcessGroups
 from fsdp_replay.agent.record_collective import CollectiveRecorder
+from fsdp_replay.agent.record_flight import FlightDumps
 from fsdp_replay.agent.record_tape import TapeRecorder
 from fsdp_replay.agent.snapshots import StateRecorder
 from fsdp_replay.agent.tape import OpTape, start_tape, tape_ops
@@ -72,7 +74,10 @@ class Recorder:
         os.register_at_fork(after_in_child=lambda: Recorder._forked(ref))
         self.rank = -1
         self.fault = Fault(config.inject_fault) if config.inject_fault else None
-        self.tensors = TensorRecorder(config, st)
+        window, bound = config.payloads.window, config.max_pending_bytes
+        ring = FlightRecorder(window, bound) if window else None
+        self.flight = FlightDumps(ring, st) if ring is not None else None  # --payloads window:N
+        self.tensors = TensorRecorder(config, st, ring)
         self.pgs = ProcessGroups(st)
         self.collectives = CollectiveRecorder(
             config, st, self.tensors, self.pgs, self._ensure_started, self.fail, self._check_fault
@@ -80,7 +85,7 @@ class Recorder:
         fault_at = self.fault.n - 1 if self.fault is not None and self.fault.where == "kernel" else -1
         self.bridge = KernelBridge(config, st, self.pgs, self._ensure_started, self.fail, fault_at)
         self.batch_recorder = BatchRecorder(st, self.tensors, self._ensure_started)
-        self.states = StateRecorder(config, st, self.tensors)
+        self.states = StateRecorder(config, st, self.tensors, ring)
         self.tape_recorder = TapeRecorder(config, st, self.tensors, self._ensure_started, self.fail)
         self.tape: OpTape | None = None
         self.tape_error = ""
@@ -90,6 +95,8 @@ class Recorder:
         self.names: dict[int, str] = {}
         self.initial_rng = capture.rng_state()
         self.finished = False
+        self.closed = False  # finish() has written everything
+        self._deferred_term = 0  # a SIGTERM that came while finish() wrote the trace
         self._lock = threading.Lock()
         self.on_step_zero_done: Callable[[], None] | None = None
         self.module_idx = 0
@@ -278,6 +285,8 @@ class Recorder:
         st = self.state
         if st.failed:
             return None  # recording stopped: an `alive` mark would claim a record that is not kept
+        if self.flight is not None and st.writer is not None:
+            self.flight.idle(st.writer, self.bridge.inflight(st.pos.step) or self.collectives.inflight)
         stuck = self._stuck()
         if stuck is not None:
             return stuck
@@ -296,6 +305,12 @@ class Recorder:
         keys = ("seq", "step", "op", "pg", "t_ns")
         return {"type": schema.EV_STUCK, **dict(zip(keys, inflight, strict=True)), "waited_ns": waited}
 
+    def _counters(self, w: BackgroundWriter, agent_cpu: int) -> dict[str, int]:
+        out = counters(self.state, w, agent_cpu)
+        if self.flight is not None:
+            out.update(self.flight.ring.counters())
+        return out
+
     def agent_cpu_ns(self) -> int:
         """The agent's thread CPU time on the program's threads: the hooks' and the C++ kernel's."""
         return self.state.cpu_ns + self.bridge.cpu_ns()
@@ -307,6 +322,12 @@ class Recorder:
             return
         self.finished = True
         self.gpu_activity.finish()  # first: what the agent does from here on is not traced
+        if self.flight is not None:  # a failure: the flight recorder's window goes to the writer
+            try:  # before a wait below can block (a peer gone): what is held is the steps before
+                dying_of = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+                self.flight.at_exit(w, reason, dying_of)
+            except Exception as e:
+                self.fail("flight recorder at the end", e)
         if self.collectives.deferred or self.kernel is not None:
             with contextlib.suppress(Exception):
                 self.collectives.complete_deferred(force=True)
@@ -325,13 +346,17 @@ class Recorder:
                 "steps": self.state.pos.step,
                 "colls": self.state.pos.seq,
                 "t_ns": self.state.t_ns(),
-                "counters": counters(self.state, w, self.agent_cpu_ns()),
+                "counters": self._counters(w, self.agent_cpu_ns()),
                 "inflight": self.collectives.inflight_dict(),
                 "exception": _uncaught_exception(),
             }
         )
         w.flush(FLUSH_TIMEOUT_S)
         w.close()
+        self.closed = True
+        if self._deferred_term:  # it came while this wrote the trace (a dump, the end): die of it now
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), self._deferred_term)
 
     def _write_files(self, w: Any) -> None:
         """The news of the file ledger, the OS randomness and the compiled graphs (``files.py``,
@@ -384,10 +409,12 @@ class Recorder:
                 "loss": loss,
                 "t_ns": st.t_ns(),
                 "cpu_ns": [agent_cpu, w.cpu_ns()],
-                "counters": counters(st, w, agent_cpu),
+                "counters": self._counters(w, agent_cpu),
                 "micro_t_ns": self.micro_ends,
             }
         )
+        if self.flight is not None:  # payloads held in memory: dumped if the step was not finite
+            self.flight.step_end(w, st.pos.step, loss, params)
         if self.memory is not None:  # after the step's own fingerprints: their memory is the step's
             self.memory.step_end(st.pos.step, self.micro_ends)
         self.micro_ends = []
@@ -408,9 +435,11 @@ class Recorder:
         step = st.pos.step
         st.payload_now = step in self.config.payloads
         self.states.write_rng(w, step, capture.rng_state())
-        every = self.config.snapshot_every
+        every = self.config.snapshot_interval
         if every and step % every == 0:
             self._snapshot(opt)
+        if self.flight is not None:
+            self.flight.ring.advance(step)
         self._watch_memory()
         if self.config.sync_steps:
             self._sync_step(w, opt)
@@ -507,6 +536,15 @@ class Recorder:
             return  # the program handles SIGTERM itself; atexit still runs if it exits
 
         def on_term(signum: int, _frame: Any) -> None:
+            # torchrun signals the worker's process group, so its DataLoader workers die too, and
+            # the DataLoader's SIGCHLD handler would raise that into the trace's last writes
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            if self.finished and not self.closed and os.getpid() == self.pid:
+                # torchrun stops a failed rank's peers while they may be writing their own end
+                # (an exception's flight-recorder dump): let that finish, then die of it
+                self._deferred_term = signum
+                return
             try:
                 self.finish(reason="SIGTERM")
             finally:

@@ -10,6 +10,7 @@ from fsdp_replay.agent import capture
 from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.fingerprint import fingerprint, nbytes_of
+from fsdp_replay.agent.flight import FlightRecorder
 from fsdp_replay.agent.writer import BlobRef
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.events import Tensor
@@ -35,13 +36,26 @@ def placeholder(t: torch.Tensor) -> Tensor:
     return entry("i", capture.local(t), None, schema.FP_SK64, None, schema.NO_BLOB)
 
 
-class TensorRecorder:
-    """Fingerprints tensors and, for stored ones, copies their bytes for the writer: on the CPU
-    now, from a GPU into pinned memory behind an event (the writer waits for it, not the program)."""
+def _copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A host copy of ``t``'s bytes, and the event after which it is complete (None on the CPU):
+    a device's is copied into pinned memory behind an event, so only the writer ever waits."""
+    if t.device.type == "cpu":
+        return torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()), None
+    copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    copy.copy_(t.detach(), non_blocking=True)
+    ready = torch.cuda.Event(blocking=True)
+    ready.record()
+    return copy, ready
 
-    def __init__(self, config: RecordConfig, state: AgentState) -> None:
+
+class TensorRecorder:
+    """Fingerprints tensors and, for stored ones, copies their bytes for the writer (or, with a
+    payload window, into the flight recorder's memory: ``flight.py``)."""
+
+    def __init__(self, config: RecordConfig, state: AgentState, flight: FlightRecorder | None = None) -> None:
         self.max_pending_bytes = config.max_pending_bytes
         self.state = state
+        self.flight = flight
 
     def record(
         self, role: str, t: torch.Tensor, store: bool, known: tuple[int, bool, str] | None = None
@@ -54,17 +68,14 @@ class TensorRecorder:
         blob: Any = schema.NO_BLOB
         if store:
             nbytes = nbytes_of(t)
-            if w.pending_bytes + nbytes > self.max_pending_bytes:
+            if self.flight is not None:
+                blob = self.flight.hold(self.state.pos.step, fp, nbytes, algo, lambda: _copy(t))
+                if blob == schema.NO_BLOB:
+                    w.count_dropped(nbytes)
+            elif w.pending_bytes + nbytes > self.max_pending_bytes:
                 w.count_dropped(nbytes)
             else:
                 blob = BlobRef()
-                if t.device.type == "cpu":
-                    copy = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
-                    w.blob(blob, copy, fp, nbytes, algo)
-                else:
-                    copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    copy.copy_(t.detach(), non_blocking=True)
-                    ready = torch.cuda.Event(blocking=True)
-                    ready.record()
-                    w.blob(blob, copy, fp, nbytes, algo, ready)
+                copy, ready = _copy(t)
+                w.blob(blob, copy, fp, nbytes, algo, ready)
         return entry(role, t, fp, algo, nf, blob)

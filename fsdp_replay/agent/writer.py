@@ -134,7 +134,8 @@ class BackgroundWriter:
 
     def call(self, fn: Callable[[], list[tuple[str, Any]]]) -> None:
         """Run fn on the writer thread; it returns ("ev", obj), ("raw", (ref, bytes)) (metadata
-        blobs: RNG states) and ("payload", (ref, bytes)) (snapshots: dropped first) items."""
+        blobs: RNG states), ("payload", (ref, bytes)) (snapshots: dropped first) and ("held",
+        (blob id, data, nbytes, ready)) (the flight recorder's payloads, ``flight.py``) items."""
         self._put(("call", fn))
 
     def marker(self) -> threading.Event:
@@ -199,6 +200,8 @@ class BackgroundWriter:
                     for k2, i2 in item():
                         if k2 == "ev":
                             self._write_event(i2)
+                        elif k2 == "held":
+                            self._write_held(*i2)
                         elif k2 == "payload" and self.payloads_off:  # a snapshot, once the disk is full
                             ref, raw = i2
                             self.counters.blobs_dropped += 1
@@ -327,6 +330,23 @@ class BackgroundWriter:
         self.counters.blobs += 1
         self.counters.blob_bytes += nbytes
         return True
+
+    def _write_held(self, blob_id: int, data: Any, nbytes: int, ready: Any) -> None:
+        """A payload the flight recorder held, under the id its events already name (so never
+        deduplicated here: the recorder did that when it held it)."""
+        if ready is not None:
+            ready.synchronize()
+        if not self.payloads_off:
+            buf: Any = data if isinstance(data, bytes | bytearray | memoryview) else host_buffer(data)
+            try:
+                self.spool.append(schema.KIND_BLOB, {"blob": blob_id, "nbytes": nbytes}, buf)
+                self.counters.blobs += 1
+                self.counters.blob_bytes += nbytes
+                return
+            except OSError as e:
+                self._note_write_error(e)
+        self.counters.blobs_dropped += 1
+        self.counters.blob_bytes_dropped += nbytes
 
     def count_dropped(self, nbytes: int) -> None:
         """Called by the agent for payloads it did not even enqueue (memory bound reached)."""

@@ -2,7 +2,7 @@
 command to run next.
 
 A finding is ``{"kind", "severity", "rank", "step", "seq", "op", "message", "next"}``: ``kind``
-one of "ended", "nonfinite", "desync", "hang", "payloads_dropped", "agent_error", "damage",
+one of "ended", "nonfinite", "desync", "hang", "payloads_dropped", "agent_error", "damage", "flight",
 "restarted", "compiled", "oom", "ok"; ``severity`` "problem" (the run failed there), "warning" (the
 record or a replay is weaker for it) or "info"; ``rank``/``step``/``seq``/``op`` where they
 apply (None otherwise); ``next`` the command line to run, with ``RUN`` as the user named it.
@@ -88,6 +88,7 @@ def findings(
             )
     for r in summary["per_rank"]:
         out += _rank_findings(r, q)
+    out += flight_findings(summary["per_rank"], q)
     code = (summary.get("run") or {}).get("exit_code")
     if code not in (None, 0) and not any(f["kind"] == "ended" and f["severity"] == PROBLEM for f in out):
         out.append(
@@ -230,6 +231,64 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
                 f"({', '.join(compiled['nondeterministic'][:3])}): a replay cannot inject their results",
                 None,
                 rank=rank,
+            )
+        )
+    return out
+
+
+def flight_findings(per_rank: list[dict[str, Any]], q: str) -> list[dict[str, Any]]:
+    """What the payload flight recorder (``--payloads window:N``) wrote, per rank: the steps a
+    failure's dumps cover together, why, and the replay of them; or that it wrote nothing."""
+    out = []
+    for r in per_rank:
+        dumps = sorted((r.get("flight_recorder") or {}).get("dumps") or [], key=lambda d: d["t_ns"])
+        groups: list[dict[str, Any]] = []  # dumps whose steps join up: one replay covers them
+        for d in dumps:
+            g = groups[-1] if groups else None
+            if g is not None and d["first_step"] <= g["last"] + 1 and d["last_step"] >= g["first"]:
+                g["last"] = max(g["last"], d["last_step"])
+                g["reasons"].append(d)
+            else:
+                groups.append({"first": d["first_step"], "last": d["last_step"], "reasons": [d]})
+        rank = r["rank"]
+        for g in groups:
+            first, to = g["first"], min(g["last"], r["steps"] - 1)  # a step in progress is partial
+            why = "; then ".join(f"{d['reason']} ({d['detail']})" for d in g["reasons"])
+            written = sum(int(d["blobs"]) for d in g["reasons"])
+            mb = sum(int(d["nbytes"]) for d in g["reasons"]) / 1e6
+            dropped = sum(int(d["dropped"]) for d in g["reasons"])
+            snap = g["reasons"][0]["snapshot_step"]
+            msg = (
+                f"rank {rank}: the flight recorder wrote the payloads of steps {first}..{g['last']}"
+                + (f" and the snapshot of step {snap}" if snap >= 0 else "")
+                + f" ({written} blobs, {mb:.1f} MB) when the run failed: {why}"
+                + (f"; {dropped} of their payloads had been dropped at the memory bound" if dropped else "")
+            )
+            replay = f"fsdp-replay replay {q} --rank {rank} --from-step {first}"
+            out.append(
+                finding(
+                    "flight",
+                    WARNING if dropped else INFO,
+                    msg,
+                    replay + (f" --to-step {to}" if to >= first else ""),
+                    rank=rank,
+                    step=first,
+                )
+            )
+    windows = {
+        str(((r.get("environment") or {}).get("policy") or {}).get("payloads", ""))
+        for r in per_rank
+        if not (r.get("flight_recorder") or {}).get("dumps")
+    }
+    held = sorted(w for w in windows if w.startswith("window:"))
+    if held and not out:
+        out.append(
+            finding(
+                "flight",
+                INFO,
+                f"the flight recorder ({held[0]}) wrote no payloads: no rank failed. A replay of one rank "
+                "needs payloads; every rank can be replayed together with live collectives",
+                f"fsdp-replay replay {q} --all-ranks",
             )
         )
     return out

@@ -79,6 +79,10 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
         "damage": r.attrs.get("damage", []),
         "payload_missing": r.attrs.get("payload_missing", 0),
         "attempts": r.attrs.get("attempts", 0),
+        "flight_recorder": {  # --payloads window:N (agent/flight.py)
+            "dumps": r.attrs.get("flight_dumps", []),
+            "unwritten": r.attrs.get("flight_unwritten", 0),
+        },
         "recording_cost": recording_cost(r),
         "memory": memory_summary(r),
         "environment": {

@@ -244,7 +244,8 @@ def register(sub: Any) -> None:
         r,
         "--payloads",
         default=str(defaults.payloads),
-        help="steps whose collective outputs and batches are stored: none, all, steps:0-3,10",
+        help="steps whose collective outputs and batches are stored: none, all, steps:0-3,10, or window:N "
+        "(the flight recorder: the last N steps' payloads held in memory, written only if the run fails)",
     )
     env_option(r, "--payload-inputs", kind="flag", help="also store collective inputs")
     env_option(
@@ -266,8 +267,8 @@ def register(sub: Any) -> None:
         "--max-pending-bytes",
         kind="int",
         default=defaults.max_pending_bytes,
-        help="payload bytes each rank lets wait for its writer; payloads beyond it are dropped and counted "
-        "(the tape's results on a large model can need several GiB a step)",
+        help="payload bytes each rank lets wait for its writer (with --payloads window:N: holds in memory); "
+        "payloads beyond it are dropped and counted (the tape's results on a large model can need several GiB a step)",
     )
     env_option(
         r,
@@ -281,7 +282,8 @@ def register(sub: Any) -> None:
         "--snapshot-every",
         kind="int",
         default=defaults.snapshot_every,
-        help="snapshot each rank's state every N steps; step 0 always",
+        help="snapshot each rank's state every N steps; step 0 always (with --payloads window:N: every N "
+        "steps by default, held in memory)",
     )
     env_option(
         r,

@@ -129,7 +129,7 @@ def pod_settings(
     payloads = config.payloads
     raw: object
     if (raw := annotations.get(keys(PAYLOADS))) is not None:
-        if (why := validate.step_spec_error(str(raw))) is None:
+        if (why := validate.payload_spec_error(str(raw))) is None:
             payloads = str(raw).strip()
         else:
             bad(PAYLOADS, why, f"using {config.payloads}")

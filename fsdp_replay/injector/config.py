@@ -42,7 +42,7 @@ class InjectorConfig:
     spool_path: str = "/var/lib/fsdp-replay"
     """The run folder (``FSDP_REPLAY_OUT``), an emptyDir mounted at this path in the trainers and the sidecar."""
     payloads: str = "all"
-    """Default payload policy (``FSDP_REPLAY_PAYLOADS``: none, all, steps:SPEC); a pod annotation overrides it."""
+    """Default payload policy (``FSDP_REPLAY_PAYLOADS``: none, all, steps:SPEC, window:N); a pod annotation overrides it."""
     store: str = ""
     """Default trace store URL for the sidecar (``FSDP_REPLAY_SIDECAR_STORE``); empty: the sidecar's default."""
     annotation_prefix: str = "fsdp-replay.io"
@@ -94,7 +94,7 @@ class InjectorConfig:
                 f"{env_name('mount_path')}={a!r} and {env_name('spool_path')}={b!r} must not be the same "
                 "folder or one inside the other (they are two volumes)"
             )
-        if (why := validate.step_spec_error(self.payloads)) is not None:
+        if (why := validate.payload_spec_error(self.payloads)) is not None:
             raise ConfigError(f"{env_name('payloads')}: {why}")
         if any(c.isspace() for c in self.store):
             raise ConfigError(f"{env_name('store')}={self.store!r}: a URL has no spaces")

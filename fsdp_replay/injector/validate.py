@@ -4,9 +4,9 @@ The webhook fails open, but a patch that makes the pod invalid does not: the API
 the pod, and the user's job would not start. So every value that comes from an annotation or from
 the injector's configuration is checked here first, and a bad one is dropped with a warning.
 
-The step grammar (``none | all | steps:0-3,10,20-``) is the agent's (``fsdp_replay.agent.config.StepSet``);
-the injector must not import the agent, so it is restated here, and ``tests/injector`` checks that
-both accept the same specs.
+The step grammar (``none | all | steps:0-3,10,20-``, and ``window:N`` for payloads) is the agent's
+(``fsdp_replay.agent.config.StepSet``); the injector must not import the agent, so it is restated
+here, and the tests check that both accept the same specs.
 """
 
 from __future__ import annotations
@@ -42,6 +42,16 @@ def step_spec_error(spec: str) -> str | None:
         if m.group(2) is not None and m.group(3) and int(m.group(3)) < int(m.group(1)):
             return f"step range {part.strip()!r} in {spec!r} ends before it starts"
     return None
+
+
+def payload_spec_error(spec: str) -> str | None:
+    """Why ``spec`` is not a payload policy (a step spec, or ``window:N`` with N >= 1: the
+    agent's flight recorder), or None when it is."""
+    spec = spec.strip()
+    if spec.startswith("window:"):
+        m = re.fullmatch(r"window:\s*(\d+)\s*", spec)
+        return None if m and int(m.group(1)) >= 1 else f"{spec!r} is not window:N with N >= 1 steps"
+    return step_spec_error(spec)
 
 
 def cupti_spec_error(spec: str) -> str | None:

@@ -32,6 +32,7 @@ EV_COMPILED: Final = "compiled"
 EV_OP_FP: Final = "aop"
 EV_MEMORY: Final = "memory"
 EV_OOM: Final = "oom"
+EV_FLIGHT_DUMP: Final = "flight_dump"
 EV_CUPTI: Final = "cupti"
 EV_CUPTI_STATE: Final = "cupti_state"
 EV_END: Final = "end"
@@ -291,6 +292,29 @@ class KernelOp(TypedDict):
     tensors: list[Tensor]
 
 
+class FlightDump(TypedDict):
+    """The payload flight recorder (``--payloads window:N``, ``agent/flight.py``) wrote what it
+    held, because the run failed; written after the blobs and the snapshot it names."""
+
+    type: str
+    reason: str
+    """``nonfinite``, ``exception``, ``oom``, ``sigterm`` or ``stuck``."""
+    detail: str
+    first_step: int
+    """The spool now holds the payloads of steps ``first_step..last_step`` (some written by an
+    earlier dump) and, unless ``snapshot_step`` is -1, the snapshot of ``first_step``."""
+    last_step: int
+    """The step in progress when the dump was taken (its payloads so far)."""
+    snapshot_step: int
+    blobs: int
+    """Payload blobs this dump wrote (RNG states included)."""
+    nbytes: int
+    dropped: int
+    """Payloads of these steps dropped at the memory bound (--max-pending-bytes): a replay
+    stops where it needs one."""
+    t_ns: int
+
+
 class _Memory(TypedDict):
     type: str
     step: int
@@ -415,6 +439,7 @@ EVENT_TYPES: Final[dict[str, Any]] = {
     EV_MEMORY: Memory,
     EV_OOM: Oom,
     EV_KERNEL_OP: KernelOp,
+    EV_FLIGHT_DUMP: FlightDump,
     EV_CUPTI: Cupti,
     EV_CUPTI_STATE: CuptiState,
     EV_END: End,

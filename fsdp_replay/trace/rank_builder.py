@@ -104,6 +104,8 @@ class RankBuilder:
             "stuck": [],
             "last_alive": None,
             "ooms": [],
+            "flight_dumps": [],  # format 3 readers ignore both (docs/trace-format.md)
+            "flight_unwritten": 0,
         }
         self.attrs[schema.CUPTI_ATTR] = {"states": [], "clock": []}
         self._kernel_codes: dict[int, int] = {}  # a process's kernel-name code (per attempt) -> ours
@@ -169,10 +171,26 @@ class RankBuilder:
         if blob_id == schema.NO_BLOB:
             return -1
         row = self.blob_payload.get(blob_id)
+        if row is None and blob_id >= schema.FLIGHT_BLOB_BASE:
+            # Held by the flight recorder when the event was written: its blob comes after (if a
+            # failure dumped it). Kept as -2 - id until ``_resolve_held``.
+            return -2 - blob_id
         if row is None:
             self.report.payload_missing += 1
             return -1
         return row
+
+    def _resolve_held(self) -> None:
+        """The flight recorder's blobs (``_payload``) -> payload rows, or -1 where no failure
+        wrote them (not kept: no loss); at the end, and before a new attempt reuses the ids."""
+        for table in ("tensors", "batch_tensors", "tape_tensors", "rng"):
+            col = self.cols[table]["payload"]
+            for i, v in enumerate(col):
+                if v <= -2:
+                    row = self.blob_payload.get(-2 - v)
+                    if row is None:
+                        self.attrs["flight_unwritten"] += 1
+                    col[i] = -1 if row is None else row
 
     # -- events -------------------------------------------------------------------------------
     def _shape(self, shape: list[int]) -> int:
@@ -215,6 +233,7 @@ class RankBuilder:
         self.attrs["attempts"] += 1
         if self.attrs["attempts"] > 1:
             # A restarted rank (torchelastic) starts a new attempt: blob ids restart too.
+            self._resolve_held()
             self.blob_payload = {}
             self._kernel_codes = {}  # and so do its kernel-name codes
 
@@ -492,6 +511,9 @@ class RankBuilder:
         if "clock" in ev:
             cupti["clock"].append([*ev["clock"], max(0, self.attrs["attempts"] - 1)])
 
+    def _ev_flight_dump(self, ev: dict[str, Any]) -> None:
+        self.attrs["flight_dumps"].append({k: v for k, v in ev.items() if k != "type"})
+
     def _ev_end(self, ev: dict[str, Any]) -> None:
         self.attrs["end"] = {k: v for k, v in ev.items() if k != "type"}
         self.report.clean_end = True
@@ -532,6 +554,7 @@ class RankBuilder:
         )
 
     def write(self) -> None:
+        self._resolve_held()
         self._sort_collectives()
         self._sort_cupti()
         self.report.completeness = self.assess()

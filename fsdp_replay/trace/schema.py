@@ -49,6 +49,9 @@ from fsdp_replay.trace.events import (
     EV_FILES as EV_FILES,
 )
 from fsdp_replay.trace.events import (
+    EV_FLIGHT_DUMP as EV_FLIGHT_DUMP,
+)
+from fsdp_replay.trace.events import (
     EV_KERNEL_OP as EV_KERNEL_OP,
 )
 from fsdp_replay.trace.events import (
@@ -160,6 +163,10 @@ RECORD_HEADER_SIZE: Final = 16
 KIND_EVENT: Final = 1  # body: JSON event
 KIND_BLOB: Final = 2  # body: JSON {"blob": id, "nbytes": n} then n raw bytes
 RECORD_KINDS: Final = frozenset({KIND_EVENT, KIND_BLOB})
+# Blob ids from here on are the payload flight recorder's (`--payloads window:N`): events name
+# such a blob before it is written (it is held in memory), and it is written only if the run fails
+# (a `flight_dump` event follows). One the spool never holds was not kept: no payload, no loss.
+FLIGHT_BLOB_BASE: Final = 1 << 48
 # A collective in flight this long is written down as `stuck` (so a hang killed by SIGKILL still
 # shows where each rank waited).
 STUCK_AFTER_NS: Final = 2_000_000_000

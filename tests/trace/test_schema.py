@@ -75,6 +75,18 @@ def test_event_keys_pinned() -> None:
         "numerics": {"type", "step", "flags"},
         "compiled": {"type", "step", "calls", "graphs"},
         "aop": {"type", "step", "idx", "name", "module", "in_fp", "out_fp"},
+        "flight_dump": {
+            "type",
+            "reason",
+            "detail",
+            "first_step",
+            "last_step",
+            "snapshot_step",
+            "blobs",
+            "nbytes",
+            "dropped",
+            "t_ns",
+        },
         "memory": {"type", "step", "device", "stats"},
         "oom": {
             "type",
@@ -127,6 +139,7 @@ def test_spool_constants_pinned() -> None:
     assert schema.RECORD_HEADER == "<HBBIII"
     assert schema.RECORD_HEADER_SIZE == 16
     assert (schema.KIND_EVENT, schema.KIND_BLOB) == (1, 2)
+    assert schema.FLIGHT_BLOB_BASE == 1 << 48
     assert schema.SEGMENT_FMT.format(index=3) == "seg-000003.fsrs"
     assert schema.RANK_SPOOL_FMT.format(rank=3) == "rank-00003"
     assert schema.RANK_GROUP_FMT.format(rank=3) == "rank_00003"

@@ -1,0 +1,262 @@
+"""The payload flight recorder (``--payloads window:N``): payloads held in memory, written on a failure.
+
+Every step's payloads (collective outputs, batches, the tape's results) are copied as with
+``--payloads all``, but into host memory instead of the spool, together with snapshots of the
+rank's state taken every ``snapshot_interval`` steps (N unless ``--snapshot-every`` says
+otherwise). Events and fingerprints are written as usual, naming each held payload by a blob id
+from ``schema.FLIGHT_BLOB_BASE`` on, so the metadata of every step is on disk while its payloads
+are not. When the run fails (``Recorder``: a non-finite loss or parameter at a step end, an
+uncaught exception, SIGTERM, a collective stuck for a minute: ``record_flight.py``), ``take`` hands
+the writer thread what it holds: the snapshot at or before the window's start and every payload
+since, and a ``flight_dump`` event says what was written and why. A run that ends well writes
+none of it. A SIGKILL loses what is held (the metadata before it is on disk as usual).
+
+What is held: the steps from the newest snapshot at or before ``current - steps - lag`` to the
+step in progress, so between N+1 and N+interval steps (plus ``lag``: on a GPU the non-finite
+check runs on the writer thread, up to two steps behind the training thread), and the snapshots
+from there on (two with the default interval). Payload bytes are bounded by ``max_bytes``: past
+it the window first starts at a later held snapshot (fewer steps, still replayable), then new
+payloads are dropped, each counted (and reported at the step's end as a ``drop`` event).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_replay.trace import schema
+
+# ``take`` and the writer's ``fill`` wait this long for the lock, then go on without it. A SIGTERM
+# handler takes the dump on the main thread, which may have been stopped inside ``hold`` holding
+# the lock: neither it nor the writer (which the handler then waits for) may block on it, and the
+# stopped thread cannot change the ring while its handler runs.
+LOCK_WAIT_S = 2.0
+
+Key = tuple[int, int, str]  # (fingerprint, bytes, algorithm): the agent's content address
+
+
+@dataclass(slots=True)
+class Held:
+    """A payload in memory: its bytes (a CPU tensor, pinned for a device's, or bytes), the event
+    after which a device copy is complete (or None), and the last step whose events name it."""
+
+    id: int
+    data: Any
+    nbytes: int
+    ready: Any
+    last_step: int
+    key: Key | None
+
+
+@dataclass(slots=True)
+class HeldSnapshot:
+    """The rank's state at the start of ``step`` (``capture.snapshot_state``: CPU copies)."""
+
+    step: int
+    state: Any
+    metas: list[list[Any]]
+    nbytes: int
+    written: bool = False
+
+
+@dataclass(slots=True)
+class Dump:
+    """What one dump writes: the window's snapshot (None when an earlier dump wrote it) and
+    every payload held; the spool then holds steps ``first_step..last_step`` whole."""
+
+    reason: str
+    detail: str
+    first_step: int
+    last_step: int
+    snapshot_step: int  # the snapshot at first_step the spool holds after the dump, or -1
+    snapshot: HeldSnapshot | None
+    blobs: list[Held]
+    dropped: int  # payloads of those steps dropped at the memory bound
+
+
+class FlightRecorder:
+    """The ring. ``hold``, ``hold_snapshot`` and ``advance`` run on the program's threads, ``take``
+    on the writer thread (or the training thread, for a failure seen there); one lock."""
+
+    def __init__(self, steps: int, max_bytes: int) -> None:
+        assert steps >= 1 and max_bytes >= 1
+        self.steps = steps
+        self.max_bytes = max_bytes
+        self.lag = 0  # extra steps kept for a failure detected behind the training thread
+        self.current = 0  # the step in progress
+        self.held_bytes = 0
+        self.snapshot_bytes = 0
+        self.dropped = 0
+        self.dropped_bytes = 0
+        self.shrinks = 0  # times the window started at a later snapshot to make room
+        self.dumps = 0
+        self.fired: set[str] = set()  # the reasons that dump once per run (``Recorder``)
+        self._lock = threading.Lock()
+        self._next_id = schema.FLIGHT_BLOB_BASE
+        self._held: dict[int, Held] = {}
+        self._by_step: dict[int, list[int]] = {}  # step -> ids its events name (for eviction)
+        self._keys: dict[Key, int] = {}  # content -> id of a held or already written blob
+        self._snapshots: dict[int, HeldSnapshot] = {}
+        self._dropped_in: dict[int, int] = {}  # step -> payloads dropped, not yet in a dump
+        self._dumped: tuple[int, int, int] | None = None  # steps written so far, their snapshot
+        self._unreported = [0, 0]  # drops since ``take_drops``: count, bytes
+
+    # -- the program's side -------------------------------------------------------------------
+    def hold(self, step: int, fp: Any, nbytes: int, algo: str, copy: Callable[[], tuple[Any, Any]]) -> int:
+        """The blob id the events of ``step`` name for these bytes: one already held or written
+        with the same content (fingerprint, size, algorithm), else a new one holding ``copy()``
+        (data, ready event); ``NO_BLOB`` when the memory bound leaves no room (counted)."""
+        key = (fp, nbytes, algo) if isinstance(fp, int) else None  # a device fingerprint is not known yet
+        with self._lock:
+            if key is not None and (found := self._keys.get(key)) is not None:
+                held = self._held.get(found)
+                if held is not None and held.last_step < step:
+                    held.last_step = step
+                    self._by_step.setdefault(step, []).append(found)
+                return found
+            if self.held_bytes + nbytes > self.max_bytes and not self._shrink(nbytes):
+                self.dropped += 1
+                self.dropped_bytes += nbytes
+                self._unreported[0] += 1
+                self._unreported[1] += nbytes
+                self._dropped_in[step] = self._dropped_in.get(step, 0) + 1
+                return schema.NO_BLOB
+            data, ready = copy()
+            blob_id = self._next_id
+            self._next_id += 1
+            self._held[blob_id] = Held(blob_id, data, nbytes, ready, step, key)
+            self._by_step.setdefault(step, []).append(blob_id)
+            if key is not None:
+                self._keys[key] = blob_id
+            self.held_bytes += nbytes
+            return blob_id
+
+    def hold_later(self, step: int) -> tuple[int, Callable[[bytes], None]]:
+        """An id for bytes made later on the writer thread (a snapshot step's RNG states), and
+        the function that gives them: a dump taken in between names them and writes them, since
+        the writer runs that function before it writes the dump."""
+        with self._lock:
+            blob_id = self._next_id
+            self._next_id += 1
+            held = self._held[blob_id] = Held(blob_id, None, 0, None, step, None)
+            self._by_step.setdefault(step, []).append(blob_id)
+
+        def fill(data: bytes) -> None:
+            with self._writer_side():
+                held.data, held.nbytes = data, len(data)
+                if self._held.get(blob_id) is held:  # else evicted, or handed to a dump already
+                    self.held_bytes += len(data)
+
+        return blob_id, fill
+
+    def hold_snapshot(self, step: int, state: Any, metas: list[list[Any]], nbytes: int) -> None:
+        with self._lock:
+            old = self._snapshots.pop(step, None)
+            if old is not None:
+                self.snapshot_bytes -= old.nbytes
+            self._snapshots[step] = HeldSnapshot(step, state, metas, nbytes)
+            self.snapshot_bytes += nbytes
+
+    def advance(self, step: int) -> None:
+        """``step`` begins: let go of what no window from here on needs."""
+        with self._lock:
+            self.current = step
+            start = self._start(step - self.lag)
+            if start is not None:
+                self._evict_before(start)
+
+    def take_drops(self) -> tuple[int, int]:
+        """Payloads dropped (count, bytes) since the last call: the step's ``drop`` event."""
+        with self._lock:
+            out = (self._unreported[0], self._unreported[1])
+            self._unreported = [0, 0]
+        return out
+
+    # -- the dump -----------------------------------------------------------------------------
+    def take(self, reason: str, detail: str, at_step: int | None = None) -> Dump:
+        """Everything a replay of the window up to ``at_step`` (default: the step in progress)
+        needs that is not written yet, handed over (the ring lets go of it). A dump whose window
+        starts inside the steps an earlier one wrote continues it: no second snapshot."""
+        with self._writer_side():
+            start = self._start(self.current if at_step is None else at_step)
+            done = self._dumped
+            write = None
+            if done is not None and start is not None and done[0] <= start <= done[1]:
+                first, snap_step = done[0], done[2]
+            elif start is None:  # before the first snapshot (step 0's): a replay from 0 needs none
+                first, snap_step = min(self._by_step, default=self.current), -1
+            else:
+                first = snap_step = start
+                snap = self._snapshots[start]
+                if not snap.written:  # handed over; the ring keeps its step only
+                    write = HeldSnapshot(snap.step, snap.state, snap.metas, snap.nbytes, written=True)
+                    snap.state, snap.written = None, True
+                    self.snapshot_bytes -= snap.nbytes
+                    snap.nbytes = 0
+            self._dumped = (first, self.current, snap_step)
+            blobs = list(self._held.values())
+            self._held.clear()
+            self.held_bytes = 0
+            dropped = sum(self._dropped_in.values())  # since the last dump (older ones: evicted)
+            self._dropped_in.clear()
+            self.dumps += 1
+            return Dump(reason, detail, first, self.current, snap_step, write, blobs, dropped)
+
+    def counters(self) -> dict[str, int]:
+        """For the step and end events' counters (the sidecar's metrics read them)."""
+        return {
+            "flight_held_bytes": self.held_bytes,
+            "flight_snapshot_bytes": self.snapshot_bytes,
+            "flight_blobs_dropped": self.dropped,
+            "flight_bytes_dropped": self.dropped_bytes,
+            "flight_window_shrinks": self.shrinks,
+            "flight_dumps": self.dumps,
+        }
+
+    # -- inside the lock ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _writer_side(self) -> Iterator[None]:
+        """The lock, for the writer thread: given up after LOCK_WAIT_S (see there)."""
+        acquired = self._lock.acquire(timeout=LOCK_WAIT_S)
+        try:
+            yield
+        finally:
+            if acquired:
+                self._lock.release()
+
+    def _start(self, step: int) -> int | None:
+        """The window's first step for a failure in ``step``: the newest held snapshot at or
+        before ``step - steps``, else the oldest held one (early in the run, or after a shrink)."""
+        if not self._snapshots:
+            return None
+        lo = step - self.steps
+        eligible = [s for s in self._snapshots if s <= lo]
+        return max(eligible) if eligible else min(self._snapshots)
+
+    def _evict_before(self, start: int) -> None:
+        for step in [s for s in self._by_step if s < start]:
+            for blob_id in self._by_step.pop(step):
+                held = self._held.get(blob_id)
+                if held is not None and held.last_step < start:
+                    del self._held[blob_id]
+                    self.held_bytes -= held.nbytes
+                    if held.key is not None and self._keys.get(held.key) == blob_id:
+                        del self._keys[held.key]
+        for step in [s for s in self._snapshots if s < start]:
+            self.snapshot_bytes -= self._snapshots.pop(step).nbytes
+        for step in [s for s in self._dropped_in if s < start]:
+            del self._dropped_in[step]
+
+    def _shrink(self, nbytes: int) -> bool:
+        """Room for ``nbytes`` by starting the window at a later held snapshot: fewer steps, each
+        still replayable from a snapshot, rather than a window missing its newest payloads."""
+        start = self._start(self.current - self.lag)
+        for later in sorted(s for s in self._snapshots if start is not None and s > start):
+            if self.held_bytes + nbytes <= self.max_bytes:
+                break
+            self._evict_before(later)
+            self.shrinks += 1
+        return self.held_bytes + nbytes <= self.max_bytes

@@ -1,0 +1,229 @@
+"""The payload flight recorder (``--payloads window:N``): its ring in memory (``agent/flight.py``), and
+a dump through the real writer, spool and collector (``agent/record_flight.py``,
+``trace/rank_builder.py``). No training run: the steps are driven by hand, as the recorder does
+(a snapshot every ``every`` steps, payloads during a step, ``advance`` at its end)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_replay.agent.counters import AgentState
+from fsdp_replay.agent.flight import FlightRecorder
+from fsdp_replay.agent.record_flight import FlightDumps
+from fsdp_replay.agent.writer import BackgroundWriter
+from fsdp_replay.trace import schema, spool
+from fsdp_replay.trace.collect import collect
+from fsdp_replay.trace.reader import Trace
+
+
+def _fp(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _copy_of(data: bytes) -> Callable[[], tuple[Any, Any]]:
+    return lambda: (data, None)
+
+
+class Steps:
+    """Drives a ring as the recorder does; counts the copies it was asked to make."""
+
+    def __init__(self, window: int, every: int, max_bytes: int = 1 << 20) -> None:
+        self.ring = FlightRecorder(window, max_bytes)
+        self.every = every
+        self.copies = 0
+        self.ids: dict[bytes, int] = {}
+        self.ring.hold_snapshot(0, {"step": 0}, [], 100)
+
+    def hold(self, step: int, data: bytes) -> int:
+        def copy() -> tuple[Any, Any]:
+            self.copies += 1
+            return data, None
+
+        blob = self.ring.hold(step, _fp(data), len(data), "zlib64", copy)
+        self.ids[data] = blob
+        return blob
+
+    def end(self, step: int) -> None:
+        nxt = step + 1
+        if nxt % self.every == 0:
+            self.ring.hold_snapshot(nxt, {"step": nxt}, [], 100)
+        self.ring.advance(nxt)
+
+
+def test_the_window_reaches_n_steps_back_to_a_snapshot_and_lets_older_steps_go() -> None:
+    s = Steps(window=2, every=2)
+    for step in range(8):
+        s.hold(step, f"payload of step {step}".encode())
+        s.end(step)
+    # step 8 begins: a window for it starts at the newest snapshot at or before 6; 0..5 are gone
+    assert s.ring.held_bytes == len(b"payload of step 6") * 2
+    s.hold(8, b"payload of step 8 so far")
+    # the failure is in step 8: steps 6..8 at least, from the newest snapshot at or before 6
+    dump = s.ring.take("exception", "RuntimeError: boom")
+    assert (dump.first_step, dump.last_step, dump.snapshot_step) == (6, 8, 6)
+    assert dump.snapshot is not None and dump.snapshot.state == {"step": 6}
+    assert sorted(b.data for b in dump.blobs) == sorted(
+        [b"payload of step 6", b"payload of step 7", b"payload of step 8 so far"]
+    )
+    assert all(b.id >= schema.FLIGHT_BLOB_BASE for b in dump.blobs)
+    assert s.ring.held_bytes == 0 and s.ring.counters()["flight_dumps"] == 1
+
+
+def test_identical_bytes_are_held_once_and_kept_while_a_newer_step_names_them() -> None:
+    s = Steps(window=1, every=1)
+    same = b"the same parameters, gathered in forward and backward"
+    first = s.hold(0, same)
+    assert s.hold(0, same) == first and s.copies == 1
+    s.end(0)
+    s.hold(1, b"other")
+    assert s.hold(1, same) == first and s.copies == 2  # named by step 1 as well
+    s.end(1)
+    s.end(2)  # the window for step 3 starts at 2: step 0's and step 1's entries go...
+    assert s.ring.held_bytes == 0
+    s2 = Steps(window=2, every=1)
+    kept = s2.hold(0, same)
+    s2.end(0)
+    s2.hold(1, same)
+    s2.end(1)
+    s2.end(2)  # ...but here the window for step 3 starts at 1, which still names the step-0 blob
+    assert s2.ring.held_bytes == len(same)
+    dump = s2.ring.take("sigterm", "")
+    assert [b.id for b in dump.blobs] == [kept]
+    # written now: the same bytes later are named by that id, with no copy and no second write
+    copies = s2.copies
+    s2.end(3)
+    assert s2.hold(4, same) == kept and s2.copies == copies
+    assert s2.ring.take("stuck", "").blobs == []
+    # a device fingerprint is not known on the host: no content address, a blob each
+    ring = FlightRecorder(1, 1 << 20)
+    pending = object()
+    a = ring.hold(0, pending, 4, "lin64", lambda: (b"abcd", None))
+    assert ring.hold(0, pending, 4, "lin64", lambda: (b"abcd", None)) != a
+
+
+def test_the_memory_bound_first_shortens_the_window_then_drops_and_counts() -> None:
+    s = Steps(window=4, every=2, max_bytes=100)
+    for step in range(3):
+        s.hold(step, bytes([step]) * 30)
+        s.end(step)  # snapshots 0 and 2 held; steps 0..2 held (90 bytes)
+    # step 3: 30 more bytes do not fit: the window starts at snapshot 2 instead of 0
+    assert s.hold(3, b"\x03" * 30) != schema.NO_BLOB
+    c = s.ring.counters()
+    assert c["flight_window_shrinks"] == 1 and c["flight_held_bytes"] == 60
+    assert s.ring.hold(3, _fp(b"\x04" * 30), 30, "zlib64", lambda: (b"\x04" * 30, None)) != schema.NO_BLOB
+    # now only steps 2..3 are held (90 bytes) and no later snapshot can make room: dropped
+    assert s.hold(3, b"\x05" * 30) == schema.NO_BLOB
+    c = s.ring.counters()
+    assert (c["flight_blobs_dropped"], c["flight_bytes_dropped"]) == (1, 30)
+    assert s.ring.take_drops() == (1, 30) and s.ring.take_drops() == (0, 0)
+    dump = s.ring.take("nonfinite", "a non-finite loss at the end of step 3", at_step=3)
+    assert (dump.first_step, dump.snapshot_step, dump.dropped) == (2, 2, 1)
+
+
+def test_a_later_dump_continues_an_earlier_one_and_a_late_rng_state_is_written_with_it() -> None:
+    s = Steps(window=2, every=2)
+    for step in range(5):
+        s.hold(step, f"step {step}".encode())
+        if step < 4:
+            s.end(step)
+    first = s.ring.take("nonfinite", "", at_step=4)  # at step 4's end, before it advances
+    assert (first.first_step, first.last_step, first.snapshot is not None) == (2, 4, True)
+    s.end(4)
+    s.hold(5, b"step 5")
+    s.end(5)  # snapshot 6; the window for step 6 would start at 4, inside the steps written
+    rng_id, fill = s.ring.hold_later(6)  # an RNG state the writer has not encoded yet
+    second = s.ring.take("exception", "")
+    assert (second.first_step, second.last_step, second.snapshot_step, second.snapshot) == (2, 6, 2, None)
+    late = [b for b in second.blobs if b.id == rng_id]
+    assert late and late[0].data is None
+    fill(b"rng json")  # the writer encodes it before it writes the dump
+    assert late[0].data == b"rng json"
+    assert sorted(b.data for b in second.blobs if b.id != rng_id) == [b"step 5"]
+    # a failure long after, whose window starts past the written steps: a new window and snapshot
+    for step in range(6, 12):
+        s.hold(step, f"step {step}".encode())
+        s.end(step)
+    third = s.ring.take("sigterm", "")
+    assert (third.first_step, third.snapshot_step) == (10, 10) and third.snapshot is not None
+
+
+# -- through the writer, the spool and the collector ----------------------------------------------
+def _rank_start() -> dict[str, Any]:
+    keys = schema.EVENT_KEYS[schema.EV_RANK_START] - {"type", "format_version", "rank", "world_size"}
+    return {
+        "type": schema.EV_RANK_START,
+        "format_version": schema.FORMAT_VERSION,
+        "rank": 0,
+        "world_size": 1,
+        **{k: {} for k in keys},
+        "argv": ["train.py"],
+        "policy": {"payloads": "window:1"},
+    }
+
+
+def _batch(step: int, blob: int, data: bytes) -> dict[str, Any]:
+    entry = ["", "uint8", [len(data)], _fp(data), "zlib64", False, blob, "cpu"]
+    return {
+        "type": schema.EV_BATCH,
+        "step": step,
+        "micro": 0,
+        "index": step,
+        "loader": 0,
+        "structure": {"T": 0},
+        "tensors": [entry],
+    }
+
+
+def _step(step: int, loss: float) -> dict[str, Any]:
+    ev = {"type": schema.EV_STEP, "step": step, "micro_steps": 1, "colls": 0, "params": [], "loss": [loss]}
+    return {**ev, "t_ns": step}
+
+
+def test_a_dump_is_written_under_the_ids_its_events_named_and_the_rest_reads_as_not_kept(
+    tmp_path: Path,
+) -> None:
+    st = AgentState(payload_now=True)
+    w = BackgroundWriter(spool.SpoolWriter(tmp_path / "spool" / "rank-00000", 0), lambda *_: None)
+    st.writer = w
+    ring = FlightRecorder(1, 1 << 20)
+    dumps = FlightDumps(ring, st)
+    w.event(_rank_start())
+    data = {k: f"batch of step {k}".encode() for k in range(4)}
+    ring.hold_snapshot(0, {"step": 0}, [], 8)
+    for k in range(4):  # steps 0..2 finite, step 3's loss is not
+        blob = ring.hold(k, _fp(data[k]), len(data[k]), "zlib64", _copy_of(data[k]))
+        w.event(_batch(k, blob, data[k]))
+        loss = [math.nan if k == 3 else 1.0]
+        w.event(_step(k, loss[0]))
+        dumps.step_end(w, k, loss, [])
+        if k + 1 == 2:
+            ring.hold_snapshot(2, {"step": 2}, [], 8)
+        ring.advance(k + 1)
+    w.event(_batch(4, ring.hold(4, _fp(b"late"), 4, "zlib64", _copy_of(b"late")), b"late"))
+    dumps.at_exit(w, "exit", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    w.event({"type": schema.EV_END, "reason": "exit", "steps": 4, "colls": 0, "t_ns": 9, "counters": {}})
+    assert w.flush(10)
+    w.close()
+    report = collect(tmp_path / "spool", tmp_path / "trace.zarr")
+    assert not report.damaged
+    rt = Trace.open(tmp_path / "trace.zarr").rank(0)
+    got = [d["reason"] for d in rt.attrs["flight_dumps"]]
+    assert got == ["nonfinite", "oom"]
+    nonfinite, oom = rt.attrs["flight_dumps"]
+    assert (nonfinite["first_step"], nonfinite["last_step"], nonfinite["snapshot_step"]) == (2, 3, 2)
+    assert nonfinite["detail"] == "a non-finite loss at the end of step 3" and nonfinite["blobs"] == 2
+    assert (oom["first_step"], oom["last_step"], oom["blobs"]) == (2, 4, 1)
+    assert "OutOfMemoryError: CUDA out of memory" in oom["detail"]
+    assert [s["step"] for s in rt.attrs["snapshots"]] == [2]
+    bt, batches = rt.batch_tensors, rt.batches
+    payload = dict(zip(batches["step"][bt["batch"]].tolist(), bt["payload"].tolist(), strict=True))
+    assert payload[0] == payload[1] == -1  # held, and let go before the failure: not kept
+    for step, raw in ((2, data[2]), (3, data[3]), (4, b"late")):
+        assert rt.payload(payload[step]) == raw
+    assert rt.attrs["flight_unwritten"] == 2 and rt.attrs["payload_missing"] == 0
