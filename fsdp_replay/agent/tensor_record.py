@@ -16,6 +16,11 @@ from fsdp_replay.trace import schema
 from fsdp_replay.trace.events import Tensor
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+SMALL_PAYLOAD_BYTES = 64 << 10
+"""A tensor this small has its bytes stored in every step (with a payload policy of steps or all):
+what a framework exchanges once (DDP's parameter shapes, its rebuilt buckets), what a program
+all-reduces to log (a loss), a small batch. They cost little, and a replay from a late snapshot
+needs them: a collective's answer the program reads, or the batch a warm-up step computes on."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -56,6 +61,8 @@ class TensorRecorder:
         self.max_pending_bytes = config.max_pending_bytes
         self.state = state
         self.flight = flight
+        # not with `none` (the user keeps no bytes) nor a window (a healthy run writes none)
+        self.small_always = not config.payloads.empty and not config.payloads.window
 
     def record(
         self, role: str, t: torch.Tensor, store: bool, known: tuple[int, bool, str] | None = None
@@ -66,6 +73,8 @@ class TensorRecorder:
         t = capture.local(t)
         fp, nf, algo = known if known is not None else fingerprint(t)
         blob: Any = schema.NO_BLOB
+        if not store and self.small_always and nbytes_of(t) <= SMALL_PAYLOAD_BYTES:
+            store = True
         if store:
             nbytes = nbytes_of(t)
             if self.flight is not None:

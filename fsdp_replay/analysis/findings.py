@@ -45,7 +45,8 @@ def findings(
                 "nonfinite",
                 PROBLEM,
                 origin["message"],
-                f"fsdp-replay nan {q}; fsdp-replay replay {q} --rank {origin['rank']} --from-step {origin['step']}",
+                f"fsdp-replay nan {q}; fsdp-replay replay {q} --rank {origin['rank']} --from-step {origin['step']} "
+                f"--to-step {origin['step']}",
                 rank=origin["rank"],
                 step=origin["step"],
                 seq=origin.get("seq"),
@@ -117,7 +118,11 @@ def findings(
                 "ok",
                 INFO,
                 f"every rank finished recording cleanly ({done}); no non-finite value, desync or hang",
-                f"fsdp-replay replay {q} --rank {summary['per_rank'][0]['rank']}"
+                (
+                    f"fsdp-replay replay {q} --rank {summary['per_rank'][0]['rank']}"
+                    if any(r.get("payload_bytes") for r in summary["per_rank"])
+                    else f"fsdp-replay replay {q} --all-ranks  # no payloads: every rank again, live"
+                )
                 if summary["per_rank"]
                 else None,
             ),

@@ -107,6 +107,14 @@ class Replayer:
             self.ff = FastForward(self.restore_step, config.fast_forward_warmup, self.fail)
         self._ff_colls: dict[int, list[ExpectedColl]] = {}
         self.restored = False
+        # After the restore, until the program draws a batch or calls its model: collectives
+        # whose inputs it computed before the snapshot (a loss it all-reduces to log it), which
+        # no snapshot restores. Their outputs get the recorded values; their inputs are not checked.
+        self.after_restore = False
+        self.unverified_after_restore = 0
+        dumps = self.rec.attrs.get("flight_dumps") or []
+        # --payloads window:N: the payloads are those of the dumps' steps only
+        self.flight_end = max(int(d["last_step"]) for d in dumps) if dumps else None
         self.roots: list[torch.nn.Module] = []
         self.batch_server: BatchServer | None = None
         if not self.live:
@@ -213,6 +221,7 @@ class Replayer:
         """What a served batch of a recorded ``step`` holds: its bytes where the replay verifies,
         before the snapshot its bytes where the trace has them, else zeros (the model may compute
         on it: a warm-up step, or a step whose model meets new inputs)."""
+        self._end_after_restore()
         if step >= self.restore_step:
             return "bytes"
         if self.ff is not None:
@@ -263,6 +272,19 @@ class Replayer:
                 )
             return result
         base = self._base(seq, call.op, exp.pg)
+        if verify_now and self.after_restore:
+            self.unverified_after_restore += 1
+            verify_now = False
+        if (
+            verify_now
+            and self.flight_end is not None
+            and any(e.payload < 0 for e in exp.role("o"))
+            and exp.step >= self.flight_end
+        ):
+            self.record_ended(
+                f"at collective #{seq} of step {exp.step}: the flight recorder's dump holds payloads through "
+                f"there (window; dumps: {len(self.rec.attrs.get('flight_dumps') or [])})"
+            )
         if verify_now:
             self.found(
                 verify.check_call(self.rec, call, exp, base, call.inputs, exp.role("i"), "input", self.notes)
@@ -429,6 +451,8 @@ class Replayer:
         restore.restore_snapshot(self.rec, snap, opt, self.roots, self.notes)
         restore.restore_rng(self.rec, self.restore_step, f"step {self.restore_step}", self.notes)
         self.restored = True
+        self.after_restore = True
+        self._watch_next_forward()
         if self.ff is not None:
             print(
                 f"[fsdp-replay] rank {self.rank}: reached step {self.restore_step} in {self.ff.seconds:.2f} s "
@@ -437,6 +461,30 @@ class Replayer:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def _watch_next_forward(self) -> None:
+        """The program's next model call ends ``after_restore`` (so does its next batch)."""
+        from torch.nn.modules import module as nn_module
+
+        handle: list[Any] = []
+
+        def first_forward(_module: Any, _args: Any) -> None:
+            self._end_after_restore()
+            if handle:
+                handle.pop().remove()
+
+        handle.append(nn_module.register_module_forward_pre_hook(first_forward))
+
+    def _end_after_restore(self) -> None:
+        if self.after_restore:
+            self.after_restore = False
+            if self.unverified_after_restore:
+                self.notes.append(
+                    f"{self.unverified_after_restore} collectives the program made right after the snapshot was "
+                    "restored, before its next batch or model call, carried values it had computed before the "
+                    "snapshot (a logged loss, say): they got their recorded outputs and their inputs were not "
+                    "checked"
+                )
 
     # -- backward and batches --------------------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
@@ -477,6 +525,7 @@ class Replayer:
         self.micro += 1
 
     def on_batch(self, iterator: Any, batch: Any) -> Any:
+        self._end_after_restore()
         if self.op_tape is not None and self.op_tape.pending:
             self.op_tape.install_missing()
         n = self.batches
@@ -568,10 +617,28 @@ class Replayer:
             sys.stderr.flush()
             os._exit(code)
 
+    def _reproduced_exception(self) -> bool:
+        """The program raised what the recorded rank died of, where it did: the replay reproduced
+        the failure (a NaN check that raises, an assertion), a finding, not a replay error."""
+        end = self.rec.attrs.get("end") or {}
+        recorded = str(end.get("exception") or "")
+        kind = (self.program_error or "").split(":", 1)[0]
+        if not recorded or not kind or not recorded.startswith(kind + "("):
+            return False
+        if self.step != int(end.get("steps", -1)) or self.seq != len(self.rec.colls):
+            return False
+        self.notes.append(
+            f"the program raised {(self.program_error or '').split(' (', 1)[0]} after step {self.step - 1}, as the "
+            f"recorded rank did ({recorded[:200]}): the replay reproduced the failure"
+        )
+        return True
+
     def _final_status(self, check_complete: bool) -> tuple[str, int]:
         if self.divergences:
             return "diverged", EXIT_DIVERGED
         if check_complete and self.program_error is not None:
+            if self._reproduced_exception():
+                return "bit-exact", EXIT_OK
             return "error", EXIT_BAD_INPUT
         if check_complete and self.seq < len(self.rec.colls) and self.to_step < 0:
             self.divergences.append(

@@ -224,3 +224,41 @@ def test_no_warm_up_computes_only_the_first_step_and_stays_bit_exact(long_run: P
     assert ff["computed_steps"] == 0 and ff["steps_computed_for_new_inputs"] == 1, ff
     assert ff["skipped_steps"] == 899
     assert all(big.get(s, 0) == 0 for s in range(1, 900))
+
+
+@pytest.mark.slow
+def test_ddp_reaches_a_late_snapshot_with_its_buckets_rebuilt_as_recorded(tmp_path: Path) -> None:
+    """DDP exchanges parameter shapes when it is built and its rebuilt buckets after the first
+    backward: small payloads, kept whatever the payload window (``SMALL_PAYLOAD_BYTES``), so the
+    warm-up steps rebuild the buckets the recorded run used and step 20 replays BIT-EXACT."""
+    from harness import record
+
+    rec, _ = record(
+        tmp_path,
+        2,
+        "--cpu",
+        "--ddp",
+        "--steps",
+        "22",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--seq-len",
+        "16",
+        record_args=("--snapshot-every", "10", "--payloads", "steps:20-21"),
+    )
+    from harness import CLI, run
+
+    for rank in (0, 1):
+        report = rec / f"from20-{rank}"
+        proc = run(
+            [*CLI, "replay", str(rec), "--rank", str(rank), "--from-step", "20", "--report", str(report)],
+            check=False,
+        )
+        doc = json.loads((report / "report.json").read_text())
+        out = proc.stdout + proc.stderr[-4000:]
+        assert proc.returncode == 0 and doc["status"] == "bit-exact" and doc["verified_steps"] == [20, 21], (
+            out
+        )
+        assert doc["fast_forward"]["skipped_steps"] == 18, doc["fast_forward"]

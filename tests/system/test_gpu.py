@@ -244,3 +244,71 @@ def test_compiled_code_on_the_gpu_is_named_with_its_generated_kernels(tmp_path: 
     code, text, doc = _replay(rec, 0)
     assert code in (0, 1) and doc["compiled"]["graphs"] == c["graphs"], text
     assert "generated kernels that do the work of nondeterministic ops: triton_" in text, text
+
+
+def test_replay_from_a_late_snapshot_skips_the_model_on_the_gpu(tmp_path: Path) -> None:
+    """#16 on CUDA: default kernels, bf16; a replay from step 20 computes steps 0-1, runs 2-19
+    without kernels (a witness below the fast-forward's dispatch mode counts what computed) and is
+    BIT-EXACT with the taped results of steps 20-21 injected. Both reach times are printed: the
+    fast-forward, and every step computed (--fast-forward-warmup 20) as before."""
+    args = (
+        *("--steps", "22", "--d-model", "512", "--layers", "4", "--heads", "8", "--seq-len", "256"),
+        *("--batch-size", "8", "--vocab", "8192", "--workers", "2"),
+    )
+    out = tmp_path / "late"
+    wrapper = WORKLOADS / "count_kernels.py"
+    run(
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(out),
+            "--snapshot-every",
+            "10",
+            "--payloads",
+            "steps:20-21",
+            "--max-pending-bytes",
+            str(24 << 30),
+            "--",
+            *torchrun_cmd(1, str(wrapper), str(EXAMPLE), *args),
+        ],
+        env=child_env(),
+    )
+    times = {}
+    for warm in ("2", "20"):
+        counts = tmp_path / f"counts-{warm}.jsonl"
+        report = out / f"replay-warm{warm}"
+        proc = run(
+            [
+                *CLI,
+                "replay",
+                str(out),
+                "--rank",
+                "0",
+                "--from-step",
+                "20",
+                "--to-step",
+                "21",
+                "--report",
+                str(report),
+                "--fast-forward-warmup",
+                warm,
+            ],
+            env=child_env(COUNT_KERNELS_OUT=str(counts)),
+            check=False,
+        )
+        doc = json.loads((report / "report.json").read_text())
+        text = proc.stdout + proc.stderr[-3000:]
+        assert proc.returncode == 0 and doc["status"] == "bit-exact", text
+        ff = doc["fast_forward"]
+        times[warm] = ff
+        print(f"fast-forward warm-up {warm}:", json.dumps(ff))
+        # in the temp folder the file is the replay's own; elsewhere its private copy (files/...)
+        written = counts if counts.is_file() else next(report.joinpath("files").rglob(counts.name), None)
+        rows = [json.loads(line) for line in written.read_text().splitlines()] if written else []
+        if warm == "2":
+            assert ff["computed_steps"] == 2 and ff["skipped_steps"] == 18, ff
+            assert rows and all(r["big"] == 0 for r in rows if 2 <= r["step"] < 20), rows
+    print(
+        "reach step 20: skipped", times["2"]["seconds"], "s; every step computed", times["20"]["seconds"], "s"
+    )
