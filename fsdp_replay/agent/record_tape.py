@@ -60,6 +60,8 @@ class TapeRecorder:
             pos = st.pos
             record = self.tensors.record
             store = st.payload_now if self.stored_steps is None else pos.step in self.stored_steps
+            # --tape-payloads none: fingerprints only, so a replay names the kernel (not even small results)
+            small = self.stored_steps is None or not self.stored_steps.empty
             outs = [capture.local(t) for t in outputs_of(result)]
             # one batched pass for all the call's outputs (on CUDA: a fixed number of kernel
             # launches, one copy and one event), not a pass per output: the tape runs in the
@@ -72,7 +74,7 @@ class TapeRecorder:
                     "step": pos.step,
                     "micro": pos.micro,
                     "op": name,
-                    "tensors": [record("o", t, store, fp) for t, fp in zip(outs, fps, strict=True)],
+                    "tensors": [record("o", t, store, fp, small) for t, fp in zip(outs, fps, strict=True)],
                 }
             )
             self.calls += 1

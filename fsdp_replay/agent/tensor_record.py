@@ -65,15 +65,21 @@ class TensorRecorder:
         self.small_always = not config.payloads.empty and not config.payloads.window
 
     def record(
-        self, role: str, t: torch.Tensor, store: bool, known: tuple[int, bool, str] | None = None
+        self,
+        role: str,
+        t: torch.Tensor,
+        store: bool,
+        known: tuple[int, bool, str] | None = None,
+        small: bool = True,
     ) -> Tensor:
-        """A tensor's entry; fingerprinted here unless its (fingerprint, nonfinite, algo) is ``known``."""
+        """A tensor's entry; fingerprinted here unless its (fingerprint, nonfinite, algo) is ``known``;
+        ``small``: a small tensor keeps its bytes whatever ``store`` (SMALL_PAYLOAD_BYTES)."""
         w = self.state.writer
         assert w is not None
         t = capture.local(t)
         fp, nf, algo = known if known is not None else fingerprint(t)
         blob: Any = schema.NO_BLOB
-        if not store and self.small_always and nbytes_of(t) <= SMALL_PAYLOAD_BYTES:
+        if not store and small and self.small_always and nbytes_of(t) <= SMALL_PAYLOAD_BYTES:
             store = True
         if store:
             nbytes = nbytes_of(t)

@@ -205,8 +205,13 @@ class Placeholders(TorchDispatchMode):
             key = None
         spec = self.cache.get(key) if key is not None else None
         if spec is None:
+            meta_kwargs = {k: _meta(v) for k, v in kwargs.items()}
+            if meta_kwargs.get("device") is not None:  # a copy to a device (`.to("cuda")`): shapes on meta
+                meta_kwargs["device"] = "meta"
+            if meta_kwargs.get("pin_memory"):
+                meta_kwargs["pin_memory"] = False
             with torch._C._DisableTorchDispatch():  # shapes only: no mode below sees meta tensors
-                out = func(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+                out = func(*_meta(args), **meta_kwargs)
             leaves, tree = tree_flatten(out)
             # (shape, stride, dtype) per output tensor; None for a value kept as it is
             made: list[Any] = [
@@ -217,7 +222,7 @@ class Placeholders(TorchDispatchMode):
             if key is not None:
                 self.cache[key] = spec
         tree, leaves_spec = spec
-        device = tensors[0].device if tensors else kwargs.get("device") or torch.device("cpu")
+        device = kwargs.get("device") or (tensors[0].device if tensors else torch.device("cpu"))
         leaves = [v if t is None else placeholder(t[0], t[2], device, t[1]) for t, v in leaves_spec]
         return tree_unflatten(leaves, tree)
 

@@ -43,14 +43,20 @@ class Unservable(Exception):
 
 
 def _class(path: str | None) -> type | None:
-    """``module:qualname`` -> the class (the replay runs the recorded program: it imports)."""
+    """``module:qualname`` -> the class (the replay runs the recorded program: it imports); a
+    class it cannot name (one defined inside a function) is Unservable."""
     if not path:
         return None
     module, _, qual = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    return obj if isinstance(obj, type) else None
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise Unservable(f"the batch's class {path} cannot be imported here ({e})") from None
+    if not isinstance(obj, type):
+        raise Unservable(f"{path} is not a class")
+    return obj
 
 
 def decode_structure(x: Any, leaves: list[torch.Tensor]) -> Any:
@@ -59,6 +65,14 @@ def decode_structure(x: Any, leaves: list[torch.Tensor]) -> Any:
         return leaves[x["T"]]
     if "v" in x:
         return x["v"]
+    if "n" in x:
+        try:
+            named_cls = _class(x.get("c"))
+        except Unservable:  # a namedtuple class defined in a function: one of the same fields
+            named_cls = None
+        name, fields, items = x["n"]
+        values = [decode_structure(v, leaves) for v in items]
+        return (named_cls or collections.namedtuple(name, fields))(*values)
     cls = _class(x.get("c"))
     if "d" in x:
         items = [(decode_structure(k, leaves), decode_structure(v, leaves)) for k, v in x["d"]]
@@ -69,11 +83,6 @@ def decode_structure(x: Any, leaves: list[torch.Tensor]) -> Any:
     if "t" in x:
         items_t = tuple(decode_structure(v, leaves) for v in x["t"])
         return cls(items_t) if cls is not None else items_t
-    if "n" in x:
-        name, fields, items = x["n"]
-        values = [decode_structure(v, leaves) for v in items]
-        named = cls or collections.namedtuple(name, fields)
-        return named(*values)
     raise Unservable(f"the recording kept a {x.get('o', 'value')!r} in the batch only as its text")
 
 

@@ -61,6 +61,17 @@ def test_big_ops_are_placeholders_and_never_reach_a_kernel() -> None:
     assert witness.big == [] and "aten.mul.Tensor" in witness.all, witness.all  # the small product computed
 
 
+def test_a_copy_to_another_device_or_dtype_is_a_placeholder_there() -> None:
+    x = torch.randn(BIG)
+    with Placeholders(lambda *_: None):
+        y = x.to("meta" if not torch.cuda.is_available() else "cuda", non_blocking=True)
+        z = x.to(torch.bfloat16)
+        w = x.to(device="cpu", dtype=torch.float64, copy=True)
+    assert is_placeholder(y) and y.shape == x.shape
+    assert is_placeholder(z) and z.dtype == torch.bfloat16
+    assert is_placeholder(w) and w.dtype == torch.float64 and w.device.type == "cpu"
+
+
 def test_reads_of_placeholder_values_give_zero_and_small_bookkeeping_computes() -> None:
     logits = torch.randn(16, BIG // 16, requires_grad=True)
     with Placeholders(lambda *_: None):
@@ -135,8 +146,15 @@ def test_batch_structures_round_trip_with_their_types() -> None:
     assert type(back["pair"]).__name__ == "Pair" and back["pair"].b[1:] == [3, "x"]
     assert back["nested"][1] is None and torch.equal(back["nested"][0], torch.eye(2))
     typed = encode_structure(Encoding(x=torch.ones(1)), leaves := [])
-    if "c" in typed:  # recorded with its class: rebuilt as one
-        assert type(decode_structure(typed, leaves)).__name__ == "Encoding"
+    assert typed["c"].endswith("Encoding")  # a class defined in a function: not importable here
+    with pytest.raises(Unservable):
+        decode_structure(typed, leaves)
+    from collections import OrderedDict
+
+    from torch.utils.data._utils.collate import default_collate  # an importable dict subclass
+
+    ordered = encode_structure(default_collate([OrderedDict(a=torch.ones(1))]), leaves := [])
+    assert type(decode_structure(ordered, leaves)) is OrderedDict
     with pytest.raises(Unservable):
         decode_structure({"o": "<object at 0x1>"}, [])
 
