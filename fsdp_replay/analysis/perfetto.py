@@ -339,7 +339,8 @@ def _lane(ends: list[int], start: int, end: int) -> int:
 def allocator_series(r: RankTrace) -> Iterator[tuple[int, int, int]]:
     """``(t_ns, requested, reserved)`` after each timed action of the history steps: torch's
     requested bytes (live tensors' sizes as asked) and reserved bytes (segments), from each step's
-    base (``memory_steps.requested_base``/``reserved_base``; 0 where unknown) plus its actions."""
+    base (``memory_steps.requested_base``/``reserved_base``; the previous step's end where a step
+    has none, such as the teardown after the last step; 0 before any) plus its actions."""
     a = r.table("allocs")
     base: dict[int, tuple[int, int]] = {}
     if r.has_table("memory_steps"):
@@ -362,8 +363,9 @@ def allocator_series(r: RankTrace) -> Iterator[tuple[int, int, int]]:
         a["step"].tolist(), a["t_ns"].tolist(), a["action"].tolist(), a["bytes"].tolist(), strict=True
     ):
         if step != current_step:
+            # a step without its own base (the teardown after the last step) goes on from the last
+            requested, reserved = base.get(step, (requested, reserved))
             current_step = step
-            requested, reserved = base.get(step, (0, 0))
         requested += d_req.get(action, 0) * nbytes
         reserved += d_res.get(action, 0) * nbytes
         if t_ns >= 0:

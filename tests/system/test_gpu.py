@@ -308,7 +308,8 @@ def test_replay_from_a_late_snapshot_skips_the_model_on_the_gpu(tmp_path: Path) 
         rows = [json.loads(line) for line in written.read_text().splitlines()] if written else []
         if warm == "2":
             assert ff["computed_steps"] == 2 and ff["skipped_steps"] == 18, ff
-            assert rows and all(r["big"] == 0 for r in rows if 2 <= r["step"] < 20), rows
+            # (step 19's row also holds the restore's copies: the snapshot is loaded in its hook)
+            assert rows and all(r["big"] == 0 for r in rows if 2 <= r["step"] < 19), rows
     print(
         "reach step 20: skipped", times["2"]["seconds"], "s; every step computed", times["20"]["seconds"], "s"
     )
