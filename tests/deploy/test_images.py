@@ -246,7 +246,7 @@ def test_sidecar_image_has_its_dependencies_but_not_torch(images: Images) -> Non
     assert config["Entrypoint"] == ["fsdp-replay", "sidecar"]
     probe = (
         "import importlib.metadata as m, importlib.util, json, sys\n"
-        "import bcc, fsspec, numcodecs, numpy, prometheus_client, psutil, zarr\n"
+        "import bcc, fsspec, numcodecs, numpy, prometheus_client, psutil, s3fs, zarr\n"
         "import fsdp_replay.sidecar.ebpf.probe, fsdp_replay.sidecar.discovery, fsdp_replay.trace.collect\n"
         "dists = {d.metadata['Name'].lower().replace('_', '-'): str(d.locate_file('')) for d in m.distributions()}\n"
         "print(json.dumps({'bcc': bcc.__file__, 'torch': importlib.util.find_spec('torch') is not None,\n"
@@ -260,7 +260,16 @@ def test_sidecar_image_has_its_dependencies_but_not_torch(images: Images) -> Non
     assert out["torch"] is False
     assert out["bcc"].startswith("/usr/lib/python3/dist-packages/bcc/"), "bcc must be Debian's python3-bpfcc"
     venv = {name for name, where in out["dists"].items() if where.startswith(out["prefix"])}
-    assert {"fsdp-replay", "numpy", "zarr", "numcodecs", "psutil", "prometheus-client", "fsspec"} <= venv
+    assert {
+        "fsdp-replay",
+        "numpy",
+        "zarr",
+        "numcodecs",
+        "psutil",
+        "prometheus-client",
+        "fsspec",
+        "s3fs",
+    } <= venv
     assert not venv & {"torch", "bcc", "rich", "matplotlib"}, venv
 
 
