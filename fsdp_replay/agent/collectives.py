@@ -29,8 +29,9 @@ from fsdp_replay.trace.ops import FUNCTIONAL_NAMESPACE, FUNCTIONAL_OPS
 
 log = logging.getLogger(__name__)
 
-_IN_ARGS = frozenset({"input_tensor", "input_tensors", "inputs", "input_list"})
-_OUT_ARGS = frozenset({"output_tensor", "output_tensors", "outputs", "output_lists"})
+# The c10d ops' names for their tensor arguments (alltoall_base_'s are "input" and "output").
+_IN_ARGS = frozenset({"input_tensor", "input_tensors", "inputs", "input_list", "input"})
+_OUT_ARGS = frozenset({"output_tensor", "output_tensors", "outputs", "output_lists", "output"})
 # Ops whose "tensors" argument is only sent (inputs) or only received (outputs).
 _SEND_ONLY = schema.SEND_OPS
 _RECV_ONLY = schema.RECV_OPS
@@ -189,6 +190,22 @@ def wait_result(result: Any, call: CollectiveCall | None = None) -> None:
         work.wait()
 
 
+def tensor_roles(name: str, argnames: Sequence[str], functional: bool) -> list[tuple[str, str]]:
+    """The arguments of an op's schema that the kernel reads tensors from, and what they are:
+    "i" sent, "o" received, "io" both (in place). A functional op's outputs are its result (its
+    ``out`` argument, where it has one, is that result), so only its inputs are named here."""
+    in_args = _FUNCTIONAL_IN_ARGS if functional else _IN_ARGS
+    roles = []
+    for a in argnames:
+        if a in in_args:
+            roles.append((a, "i"))
+        elif a in _OUT_ARGS:
+            roles.append((a, "o"))
+        elif a == "tensors":
+            roles.append((a, "i" if name in _SEND_ONLY else "o" if name in _RECV_ONLY else "io"))
+    return roles
+
+
 class CollectiveInterceptor:
     """Registers the dispatcher kernels; ``uninstall`` removes them again."""
 
@@ -232,16 +249,7 @@ class CollectiveInterceptor:
         argnames = [a.name for a in overload._schema.arguments]
         handler = self.handler
         on_error = self.on_error
-        in_args = _FUNCTIONAL_IN_ARGS if functional else _IN_ARGS
-        # the tensor arguments and what they are: "i" sent, "o" received, "io" both (in place)
-        roles = []
-        for a in argnames:
-            if a in in_args:
-                roles.append((a, "i"))
-            elif a in _OUT_ARGS:
-                roles.append((a, "o"))
-            elif a == "tensors":
-                roles.append((a, "i" if name in _SEND_ONLY else "o" if name in _RECV_ONLY else "io"))
+        roles = tensor_roles(name, argnames, functional)
         extra_names = tuple(k for k in _EXTRA_ARGS if k in argnames)
 
         if functional:
