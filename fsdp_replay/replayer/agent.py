@@ -15,7 +15,6 @@ import atexit
 import contextlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -34,12 +33,12 @@ from fsdp_replay.agent.tape import OpTape
 from fsdp_replay.errors import ExitCode, FsdpReplayError, TraceIncompleteError
 from fsdp_replay.replayer import env_watch, feed, overlay, restore, verify
 from fsdp_replay.replayer.config import ReplayConfig
-from fsdp_replay.replayer.expected import ExpectedColl, RankRecord
+from fsdp_replay.replayer.expected import RankRecord
 from fsdp_replay.replayer.fake_pg import completed_work, redirect_to_fake_pg
-from fsdp_replay.replayer.fastforward import SMALL, FastForward
 from fsdp_replay.replayer.fsdp_frames import feeding_modules
 from fsdp_replay.replayer.key_check import KeyCheck
 from fsdp_replay.replayer.op_check import OpCheck
+from fsdp_replay.replayer.reach import Reach
 from fsdp_replay.replayer.report import Divergence, build_report
 from fsdp_replay.replayer.serve import BatchServer
 from fsdp_replay.replayer.tape import ReplayTape, attach_tape
@@ -101,25 +100,22 @@ class Replayer:
         snap = self.rec.snapshot_at_or_before(self.from_step) if self.from_step > 0 else None
         self.restore_step = int(snap["step"]) if snap else 0
         self.snapshot = snap
-        # Steps before the snapshot: the first few compute, the rest run without kernels.
-        self.ff: FastForward | None = None
-        if self.restore_step > 0 and not self.live:
-            self.ff = FastForward(self.restore_step, config.fast_forward_warmup, self.fail)
-        self._ff_colls: dict[int, list[ExpectedColl]] = {}
+        self.reach = Reach(
+            self.rec,
+            self.rank,
+            self.restore_step,
+            config.fast_forward_warmup,
+            self.live,
+            self.notes,
+            self.fail,
+        )
+        self.ff = self.reach.ff
         self.restored = False
-        # After the restore, until the program draws a batch or calls its model: collectives
-        # whose inputs it computed before the snapshot (a loss it all-reduces to log it), which
-        # no snapshot restores. Their outputs get the recorded values; their inputs are not checked.
-        self.after_restore = False
-        self.unverified_after_restore = 0
-        dumps = self.rec.attrs.get("flight_dumps") or []
-        # --payloads window:N: the payloads are those of the dumps' steps only
-        self.flight_end = max(int(d["last_step"]) for d in dumps) if dumps else None
         self.roots: list[torch.nn.Module] = []
         self.batch_server: BatchServer | None = None
         if not self.live:
             self.batch_server = BatchServer(
-                self.rec, config.data, self.restore_step, self.to_step, self._batch_content, self.notes
+                self.rec, config.data, self.restore_step, self.to_step, self.reach.batch_content, self.notes
             )
         self.seq = 0
         self.step = 0
@@ -172,8 +168,7 @@ class Replayer:
     def on_root_forward(self, module: torch.nn.Module) -> None:
         if self.step == 0 and all(module is not r for r in self.roots):
             self.roots.append(module)  # in the order the recorder listed them (snapshot buffers)
-        if self.ff is not None:
-            self.ff.loop_started()
+        self.reach.loop_started()
         if self.tap is not None:
             self.tap.name_modules(module)
         if self.ops is not None:
@@ -217,17 +212,6 @@ class Replayer:
         if self.batch_server is not None:
             self.batch_server.install()
 
-    def _batch_content(self, step: int) -> str:
-        """What a served batch of a recorded ``step`` holds: its bytes where the replay verifies,
-        before the snapshot its bytes where the trace has them, else zeros (the model may compute
-        on it: a warm-up step, or a step whose model meets new inputs)."""
-        self._end_after_restore()
-        if step >= self.restore_step:
-            return "bytes"
-        if self.ff is not None:
-            self.ff.loop_started()
-        return "zeros"
-
     def refuse(self, why: str) -> None:
         sys.stderr.write(f"fsdp-replay: refusing to replay: {why}\n")
         self.finish("refused", EXIT_BAD_INPUT, reason=why)
@@ -243,8 +227,8 @@ class Replayer:
             raise
 
     def _run(self, call: CollectiveCall, real: Any) -> Any:
-        if self.ff is not None and (self.ff.active or self.ff.paused):
-            return self._skipped_collective(call, real)
+        if self.reach.skipping():
+            return self.reach.collective(call, real, self.step)
         seq = self.seq
         self.seq += 1
         self.rec.advance(seq)
@@ -272,19 +256,10 @@ class Replayer:
                 )
             return result
         base = self._base(seq, call.op, exp.pg)
-        if verify_now and self.after_restore:
-            self.unverified_after_restore += 1
+        if verify_now and self.reach.unverified():
             verify_now = False
-        if (
-            verify_now
-            and self.flight_end is not None
-            and any(e.payload < 0 for e in exp.role("o"))
-            and exp.step >= self.flight_end
-        ):
-            self.record_ended(
-                f"at collective #{seq} of step {exp.step}: the flight recorder's dump holds payloads through "
-                f"there (window; dumps: {len(self.rec.attrs.get('flight_dumps') or [])})"
-            )
+        if verify_now and (ended := self.reach.beyond_the_dumps(exp)):
+            self.record_ended(ended)
         if verify_now:
             self.found(
                 verify.check_call(self.rec, call, exp, base, call.inputs, exp.role("i"), "input", self.notes)
@@ -308,39 +283,6 @@ class Replayer:
         if verify_now:
             self.verified_colls += 1
         return result
-
-    def _skipped_collective(self, call: CollectiveCall, real: Any) -> Any:
-        """A collective of a step the fast-forward skips (one the program makes outside its model,
-        such as a loss it all-reduces to log) or computes late (after new model inputs): the fake
-        backend completes it; where the step's record has a small one of the same op and shapes with
-        its payload, the output gets its recorded value; a computed step's other outputs are zeros."""
-        assert self.ff is not None
-        result = real()
-        call.set_outputs(result)
-        wait_result(result, call)
-        self.ff.collectives_seen += 1
-        pending = self._ff_colls.get(self.step)
-        if pending is None:
-            pending = self._ff_colls[self.step] = list(self.rec.colls_of_step(self.step))
-            self._ff_colls.pop(self.step - 1, None)
-        shapes = [tuple(capture.local(t).shape) for t in call.outputs]
-        for i, exp in enumerate(pending):
-            outs = exp.role("o")
-            if exp.op != call.op or [e.shape for e in outs] != shapes:
-                continue
-            del pending[i]
-            if outs and all(e.payload >= 0 and math.prod(e.shape) <= SMALL for e in outs):
-                with torch.no_grad():
-                    for t, e in zip(call.outputs, outs, strict=True):
-                        capture.local(t).copy_(self.rec.tensor(e).to(capture.local(t).device))
-                self.ff.values_served += 1
-                return completed_work(result)
-            break
-        if not self.ff.active:  # a step computed late: no garbage for the model to compute on
-            with torch.no_grad():
-                for t in call.outputs:
-                    capture.local(t).zero_()
-        return completed_work(result)
 
     def _base(self, seq: int, op: str, pg: int) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step, "micro": self.micro, "seq": seq, "op": op, "pg": pg}
@@ -370,17 +312,12 @@ class Replayer:
         self.micro = 0
         self.step_colls = 0
         self.module_idx = 0
-        if self.ff is not None:
-            self.ff.at_step_end(done)
-            if self.ff.active and self.ff.steps_skipped == 0:  # read the restored step's payloads ahead
-                self.rec.advance(self.rec.first_seq_of_step(self.restore_step))
+        self.reach.at_step_end(done)
         if self.ops is not None:
             self.ops.at_step(self.step)
         if self.verifying() and self.step > self.restore_step:
             self._check_rng(self.step)
         if self.step == self.restore_step and self.restore_step > 0:
-            if self.ff is not None:
-                self.ff.finish()
             self._restore(opt)
         if self.divergences and not self.live:
             self.finish("diverged", EXIT_DIVERGED)
@@ -434,15 +371,7 @@ class Replayer:
     def _restore(self, opt: torch.optim.Optimizer) -> None:
         snap = self.snapshot
         assert snap is not None
-        expected_seq = self.rec.first_seq_of_step(self.restore_step)
-        skipped = self.ff is not None and self.ff.steps_skipped > 0
-        if self.seq != expected_seq and not skipped:
-            self.notes.append(
-                f"before step {self.restore_step} the replay issued {self.seq} collectives; the record "
-                f"has {expected_seq}"
-            )
-        self.seq = expected_seq  # a skipped model issues none of its collectives
-        self.rec.advance(expected_seq)
+        self.seq = self.reach.restoring(self.seq)
         if self.tape is not None:
             self.tape.seq = min(
                 (n for n, c in self.rec.tape.items() if c.step >= self.restore_step),
@@ -451,49 +380,13 @@ class Replayer:
         restore.restore_snapshot(self.rec, snap, opt, self.roots, self.notes)
         restore.restore_rng(self.rec, self.restore_step, f"step {self.restore_step}", self.notes)
         self.restored = True
-        self.after_restore = True
-        self._watch_next_forward()
-        if self.ff is not None:
-            print(
-                f"[fsdp-replay] rank {self.rank}: reached step {self.restore_step} in {self.ff.seconds:.2f} s "
-                f"({self.ff.warmup + self.ff.steps_computed_late} steps computed, {self.ff.steps_skipped} run "
-                "without kernels); restored its snapshot",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def _watch_next_forward(self) -> None:
-        """The program's next model call ends ``after_restore`` (so does its next batch)."""
-        from torch.nn.modules import module as nn_module
-
-        handle: list[Any] = []
-
-        def first_forward(_module: Any, _args: Any) -> None:
-            self._end_after_restore()
-            if handle:
-                handle.pop().remove()
-
-        handle.append(nn_module.register_module_forward_pre_hook(first_forward))
-
-    def _end_after_restore(self) -> None:
-        if self.after_restore:
-            self.after_restore = False
-            if self.unverified_after_restore:
-                self.notes.append(
-                    f"{self.unverified_after_restore} collectives the program made right after the snapshot was "
-                    "restored, before its next batch or model call, carried values it had computed before the "
-                    "snapshot (a logged loss, say): they got their recorded outputs and their inputs were not "
-                    "checked"
-                )
+        self.reach.restored()
 
     # -- backward and batches --------------------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
         if not isinstance(tensors, torch.Tensor) or tensors.numel() != 1:
             return
-        if self.ff is not None and self.ff.active:
-            self._serve_loss(tensors)
-            return
-        if not self.verifying():
+        if self.reach.loss(tensors, self.step, self.micro) or not self.verifying():
             return
         exp = self.rec.steps.get(self.step)
         if exp is None or self.micro >= len(exp.losses):
@@ -510,22 +403,11 @@ class Replayer:
                 )
             )
 
-    def _serve_loss(self, loss: torch.Tensor) -> None:
-        """A skipped step's loss (zeros) gets its recorded value: what the program logs from it
-        is what the recorded run logged."""
-        assert self.ff is not None
-        exp = self.rec.steps.get(self.step)
-        if exp is None or self.micro >= len(exp.losses):
-            return
-        with torch.no_grad():
-            loss.detach().fill_(exp.losses[self.micro])
-        self.ff.values_served += 1
-
     def after_backward(self) -> None:
         self.micro += 1
 
     def on_batch(self, iterator: Any, batch: Any) -> Any:
-        self._end_after_restore()
+        self.reach.end_after_restore()
         if self.op_tape is not None and self.op_tape.pending:
             self.op_tape.install_missing()
         n = self.batches
@@ -560,13 +442,9 @@ class Replayer:
 
     def _progress(self, step: int) -> None:
         total = len(self.rec.steps) if self.to_step < 0 else self.to_step + 1
-        ff = self.ff
-        if ff is not None and ff.active and step + 1 < self.restore_step and (step + 1) % 100:
+        state = self.reach.progress_line(step)
+        if state is None:
             return  # skipped steps: a line every 100
-        if ff is not None and step < self.restore_step:
-            state = "fast-forward, computed" if step < ff.warmup else "fast-forward, skipped"
-        else:
-            state = "verified" if step >= self.restore_step else "fast-forward"
         print(
             f"[fsdp-replay] rank {self.rank}: step {step}/{total - 1} {state} ({self.verified_colls} collectives "
             "verified)",

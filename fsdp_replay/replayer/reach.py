@@ -1,0 +1,204 @@
+"""The replay's way to its first verified step and the edges around it.
+
+A replay from step S restores the snapshot of S when the program reaches it. Before that the
+fast-forward runs (``fastforward.py``): the first steps compute, the rest run without kernels, and
+what the program reads of them gets the recorded values where the trace has them (a loss, a small
+collective it logs). Right after the restore, collectives whose inputs the program computed before
+the snapshot (a loss all-reduced after the optimizer step) are answered but not checked. With a
+flight recorder's window, the record's payloads end where its dumps end. This module is that
+bookkeeping; ``agent.Replayer`` calls it at its hooks.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fsdp_replay.agent import capture
+from fsdp_replay.agent.collectives import CollectiveCall, wait_result
+from fsdp_replay.replayer.expected import ExpectedColl, RankRecord
+from fsdp_replay.replayer.fake_pg import completed_work
+from fsdp_replay.replayer.fastforward import SMALL, FastForward
+
+
+class Reach:
+    def __init__(
+        self,
+        rec: RankRecord,
+        rank: int,
+        restore_step: int,
+        warmup: int,
+        live: bool,
+        notes: list[str],
+        fail: Callable[[str, BaseException], None],
+    ) -> None:
+        self.rec = rec
+        self.rank = rank
+        self.restore_step = restore_step
+        self.notes = notes
+        # Steps before the snapshot: the first few compute, the rest run without kernels.
+        self.ff = FastForward(restore_step, warmup, fail) if restore_step > 0 and not live else None
+        self._pending: dict[int, list[ExpectedColl]] = {}  # a skipped step's recorded collectives
+        # After the restore, until the program draws a batch or calls its model.
+        self.after_restore = False
+        self.unverified_after_restore = 0
+        dumps = rec.attrs.get("flight_dumps") or []
+        # --payloads window:N: the record's payloads are those of the dumps' steps only
+        self.flight_end = max(int(d["last_step"]) for d in dumps) if dumps else None
+        self.flight_dumps = len(dumps)
+
+    # -- before the snapshot ---------------------------------------------------------------
+    def skipping(self) -> bool:
+        """Whether the program's collectives are the fast-forward's (a skipped step, or one
+        computed late after new model inputs): not matched to the record by number."""
+        return self.ff is not None and (self.ff.active or self.ff.paused)
+
+    def loop_started(self) -> None:
+        self.end_after_restore()
+        if self.ff is not None:
+            self.ff.loop_started()
+
+    def batch_content(self, step: int) -> str:
+        """What a served batch of a recorded ``step`` holds: its bytes where the replay verifies,
+        before the snapshot its bytes where the trace has them, else zeros (the model may compute
+        on it: a warm-up step, or a step whose model meets new inputs)."""
+        self.loop_started()
+        return "bytes" if step >= self.restore_step else "zeros"
+
+    def collective(self, call: CollectiveCall, real: Any, step: int) -> Any:
+        """A collective of a step the fast-forward skips (one the program makes outside its model,
+        such as a loss it all-reduces to log) or computes late: the fake backend completes it;
+        where the step's record has a small one of the same op and shapes with its payload, the
+        output gets its recorded value; a computed step's other outputs are zeros."""
+        ff = self.ff
+        assert ff is not None
+        result = real()
+        call.set_outputs(result)
+        wait_result(result, call)
+        ff.collectives_seen += 1
+        pending = self._pending.get(step)
+        if pending is None:
+            pending = self._pending[step] = list(self.rec.colls_of_step(step))
+            self._pending.pop(step - 1, None)
+        shapes = [tuple(capture.local(t).shape) for t in call.outputs]
+        for i, exp in enumerate(pending):
+            outs = exp.role("o")
+            if exp.op != call.op or [e.shape for e in outs] != shapes:
+                continue
+            del pending[i]
+            if outs and all(e.payload >= 0 and math.prod(e.shape) <= SMALL for e in outs):
+                with torch.no_grad():
+                    for t, e in zip(call.outputs, outs, strict=True):
+                        capture.local(t).copy_(self.rec.tensor(e).to(capture.local(t).device))
+                ff.values_served += 1
+                return completed_work(result)
+            break
+        if not ff.active:  # a step computed late: no garbage for the model to compute on
+            with torch.no_grad():
+                for t in call.outputs:
+                    capture.local(t).zero_()
+        return completed_work(result)
+
+    def loss(self, loss: torch.Tensor, step: int, micro: int) -> bool:
+        """A skipped step's loss (zeros) gets its recorded value, so what the program logs from it
+        is what the recorded run logged; False when the step is not skipped."""
+        if self.ff is None or not self.ff.active:
+            return False
+        exp = self.rec.steps.get(step)
+        if exp is not None and micro < len(exp.losses):
+            with torch.no_grad():
+                loss.detach().fill_(exp.losses[micro])
+            self.ff.values_served += 1
+        return True
+
+    def at_step_end(self, done: int) -> None:
+        if self.ff is None:
+            return
+        self.ff.at_step_end(done)
+        if self.ff.active and self.ff.steps_skipped == 0:  # read the restored step's payloads ahead
+            self.rec.advance(self.rec.first_seq_of_step(self.restore_step))
+
+    def progress_line(self, step: int) -> str | None:
+        """The progress state of step ``step``; None: no line (skipped steps: one every 100)."""
+        ff = self.ff
+        if ff is not None and ff.active and step + 1 < self.restore_step and (step + 1) % 100:
+            return None
+        if ff is not None and step < self.restore_step:
+            return "fast-forward, computed" if step < ff.warmup else "fast-forward, skipped"
+        return "verified" if step >= self.restore_step else "fast-forward"
+
+    # -- the restore -----------------------------------------------------------------------
+    def restoring(self, seq: int) -> int:
+        """The snapshot is about to be restored: the fast-forward ends; the collective number
+        the replay goes on from (a skipped model made none of its collectives)."""
+        skipped = self.ff is not None and self.ff.steps_skipped > 0
+        if self.ff is not None:
+            self.ff.finish()
+        expected = self.rec.first_seq_of_step(self.restore_step)
+        if seq != expected and not skipped:
+            self.notes.append(
+                f"before step {self.restore_step} the replay issued {seq} collectives; the record has {expected}"
+            )
+        self.rec.advance(expected)
+        return expected
+
+    def restored(self) -> None:
+        self.after_restore = True
+        self._watch_next_forward()
+        if self.ff is not None:
+            print(
+                f"[fsdp-replay] rank {self.rank}: reached step {self.restore_step} in {self.ff.seconds:.2f} s "
+                f"({self.ff.warmup + self.ff.steps_computed_late} steps computed, {self.ff.steps_skipped} run "
+                "without kernels); restored its snapshot",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def unverified(self) -> bool:
+        """A collective right after the restore, before the program's next batch or model call:
+        its inputs were computed before the snapshot (a logged loss), which no snapshot restores;
+        it gets its recorded outputs, its inputs are not checked."""
+        if self.after_restore:
+            self.unverified_after_restore += 1
+        return self.after_restore
+
+    def _watch_next_forward(self) -> None:
+        from torch.nn.modules import module as nn_module
+
+        handle: list[Any] = []
+
+        def first_forward(_module: Any, _args: Any) -> None:
+            self.end_after_restore()
+            if handle:
+                handle.pop().remove()
+
+        handle.append(nn_module.register_module_forward_pre_hook(first_forward))
+
+    def end_after_restore(self) -> None:
+        if not self.after_restore:
+            return
+        self.after_restore = False
+        if self.unverified_after_restore:
+            self.notes.append(
+                f"{self.unverified_after_restore} collectives the program made right after the snapshot was "
+                "restored, before its next batch or model call, carried values it had computed before the "
+                "snapshot (a logged loss, say): they got their recorded outputs and their inputs were not "
+                "checked"
+            )
+
+    # -- a flight recorder's window --------------------------------------------------------
+    def beyond_the_dumps(self, exp: ExpectedColl) -> str | None:
+        """Where the record ends for a window trace: the first collective past the dumps'
+        payloads (None: not a window trace, or still inside them)."""
+        if self.flight_end is None or exp.step < self.flight_end:
+            return None
+        if not any(e.payload < 0 for e in exp.role("o")):
+            return None
+        return (
+            f"at collective #{exp.seq} of step {exp.step}: the flight recorder's dumps ({self.flight_dumps}) "
+            "hold payloads through there"
+        )
