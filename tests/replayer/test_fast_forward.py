@@ -184,7 +184,9 @@ def long_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--seq-len",
         "16",
         "--batch-size",
-        "4",
+        "2",
+        "--grad-accum",
+        "1",
         "--workers",
         "0",
         record_args=("--snapshot-every", "100", "--payloads", "steps:900-905"),
@@ -222,7 +224,7 @@ def test_from_step_900_of_1000_computes_no_step_before_it_after_the_warm_up(long
     assert doc["verified_steps"] == list(range(900, 906))
     ff = doc["fast_forward"]
     assert ff["computed_steps"] == 2 and ff["skipped_steps"] == 898, ff
-    assert ff["root_calls_skipped"] == 2 * 898 and ff["steps_computed_for_new_inputs"] == 0
+    assert ff["root_calls_skipped"] == 898 and ff["steps_computed_for_new_inputs"] == 0  # one call a step
     assert "reached step 900 in" in out and "898 steps run without kernels" in out
     assert big[0] > 0 and big[1] > 0  # the warm-up computes: the witness sees the model's kernels
     assert all(big.get(s, 0) == 0 for s in range(2, 900)), {
