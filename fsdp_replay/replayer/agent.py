@@ -410,8 +410,12 @@ class Replayer:
         self.reach.end_after_restore()
         if self.op_tape is not None and self.op_tape.pending:
             self.op_tape.install_missing()
-        n = self.batches
-        self.batches += 1
+        if self.batch_server is not None:  # one count over served and live loaders alike
+            n = self.batch_server.next_batch
+            self.batch_server.next_batch += 1
+        else:
+            n = self.batches
+            self.batches += 1
         if n >= len(self.rec.batches):
             return None
         base = {"rank": self.rank, "step": self.step, "micro": self.micro}
