@@ -22,10 +22,20 @@ Two measurements of the issue, run side by side in one invocation:
    ``--wallclock-noise-at-step 900 --noise-rank 1`` (rank 1's loss at step 900 depends on the
    wall clock). ``fsdp-replay diff CLEAN NOISY --json`` must find rank 1, step 900; its whole
    process is timed (wall clock, Python start-up included). A third recording of the noisy run
-   keeps payloads only for steps 890-910 and a snapshot every 100 steps, and
-   ``fsdp-replay replay --rank 1 --from-step 900`` is timed as well: it restores the snapshot of
-   step 900 only after running steps 0-899 unverified (fast-forward: the program still computes
-   them), and the time is split into start-up, fast-forward and the rest.
+   with ``--payloads steps:890-910`` and a snapshot every 100 steps (tensors of 64 KiB or less keep
+   their bytes in every step: all of this tiny model's), and
+   ``fsdp-replay replay --rank 1 --from-step 900`` is timed as well: its first two steps compute,
+   steps 2-899 run without kernels (the fast-forward, ``replayer/fastforward.py``), then the
+   snapshot of step 900 is restored; the time is split with the report's ``fast_forward`` object.
+
+3. **Time to reach step S, for S = 10, 100, 1,000.** The tiny model is recorded once (2 ranks,
+   1,010 steps, a snapshot every 10 steps, ``--payloads steps:S-(S+1),...``), then
+   ``fsdp-replay replay --rank 1 --from-step S --to-step S+1`` runs for each S, interleaved over
+   repetitions (the order rotated every repetition), with the default fast-forward and, as the
+   baseline, with ``--fast-forward-warmup S`` (every step before S computes: the old way) for
+   S = 10 and 100. Every replay must be BIT-EXACT over S..S+1. Reported per S: the report's
+   ``fast_forward.seconds`` and its split, the cost of a skipped step, and the ratio to one
+   recorded step.
 
 Every run is checked before it counts (exit codes, every step line, ``inspect --json`` of every
 trace, ``report.json`` of every replay: bit-exact over every step where expected; the diverging
@@ -74,13 +84,53 @@ TARGET_RATIO = 1.0
 TARGET_RATIO_TEXT = "single-rank replay step time / recorded step time <= 1.0"
 TARGET_DIVERGENCE_S = 10.0
 TARGET_DIVERGENCE_TEXT = "time to the first divergence in a 1,000-step trace < 10 s"
+TARGET_REACH_STEPS = 2.0  # recorded steps
+TARGET_REACH_TEXT = (
+    "time to reach step S < 2x one recorded step (the issue's 'under 2x the time of one recorded step plus "
+    "the snapshot load'; `fast_forward.seconds` ends before the snapshot load, so the load is left out on "
+    "both sides)"
+)
+TARGET_FLAT_TEXT = (
+    "time to reach step S flat in S: reaching the largest S costs less than 2 recorded steps more than "
+    "reaching the smallest"
+)
 NOISY_FRACTION = 0.05  # other processes using more than this share of the CPUs make a run noisy
 TINY_MODEL = ("--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "2")
 TINY_ARGS = (*TINY_MODEL, "--workers", "0", "--grad-accum", "1", "--cpu")
 NOISE_RANK = 1
 
+# One line per verified step; before the restored snapshot, "fast-forward, computed" for the
+# warm-up steps and "fast-forward, skipped" every 100th skipped step and for the last one
+# ("fast-forward" alone: a live replay of all ranks, which computes every step).
+FF_COMPUTED, FF_SKIPPED, FF_LIVE = "fast-forward, computed", "fast-forward, skipped", "fast-forward"
 PROGRESS_RE = re.compile(
-    r"^\[fsdp-replay\] rank (\d+): step (\d+)/(\d+) (verified|fast-forward) \((\d+) collectives verified\)$"
+    r"^\[fsdp-replay\] rank (\d+): step (\d+)/(\d+) "
+    r"(verified|fast-forward, computed|fast-forward, skipped|fast-forward) \((\d+) collectives verified\)$"
+)
+REACHED_RE = re.compile(
+    r"^\[fsdp-replay\] rank (\d+): reached step (\d+) in ([0-9.]+) s \((\d+) steps computed, (\d+) run "
+    r"without kernels\); restored its snapshot$"
+)
+SKIPPED_LINE_EVERY = 100  # the agent prints a skipped step's line every 100th step
+FF_WARMUP_DEFAULT = 2  # replay --fast-forward-warmup's default: steps that compute before the skipping
+FF_TIME_KEYS = (
+    "ff_seconds",
+    "ff_setup_s",
+    "ff_computed_s",
+    "ff_skipped_s",
+    "ff_skipped_ms_per_step",
+    "ff_computed_ms_per_step",
+    "restored_at_s",
+    "outside_ff_s",
+    "after_restore_s",
+)
+FF_CHECK_TEXT = (
+    "its report.json `fast_forward` says to_step = the restored step, computed_steps = the warm-up, "
+    "skipped_steps = the rest (no step computed for new inputs, no root call computed), the model skipped "
+    "in every skipped step (root_calls_skipped) and ops run as placeholders; its `reached step S ...` line "
+    "says the same and the report's seconds; and its progress lines are `fast-forward, computed` for the "
+    "warm-up steps (the last one's line may be held back by the every-100th rule), `fast-forward, skipped` "
+    "exactly for every 100th skipped step and the last one, `verified` from S on"
 )
 COLLECT_RE = re.compile(r"trace written to (.+) in ([0-9.]+)s")
 
@@ -115,9 +165,21 @@ def fmt_s(x: float, digits: int = 1) -> str:
     return "-" if x != x else f"{x:.{digits}f}"
 
 
+def portable_paths(x: Any, work: Path) -> Any:
+    """The results without this machine's paths: the interpreter as ``python``, the runs' folder
+    as ``WORKDIR``, the repository as the current directory (the commands run there)."""
+    if isinstance(x, dict):
+        return {k: portable_paths(v, work) for k, v in x.items()}
+    if isinstance(x, list):
+        return [portable_paths(v, work) for v in x]
+    if isinstance(x, str):
+        return x.replace(sys.executable, "python").replace(str(work), "WORKDIR").replace(f"{REPO}/", "")
+    return x
+
+
 # -- running one command ---------------------------------------------------------------------------
 def progress_lines(proc: Proc, rank: int) -> tuple[dict[int, int], dict[int, str], list[str]]:
-    """The replay's ``[fsdp-replay] rank R: step N/M verified|fast-forward`` stderr lines:
+    """The replay's ``[fsdp-replay] rank R: step N/M STATE`` stderr lines:
     (step -> arrival ns, step -> state, problems)."""
     arrivals: dict[int, int] = {}
     states: dict[int, str] = {}
@@ -268,8 +330,11 @@ def record(
         run.problems.append("record printed no 'trace written to ... in X s' line")
     run.trace_bytes = tree_bytes(run_dir / "trace.zarr")
     if not run.problems:
-        _summary, trace_problems = check_trace(run_dir, nproc, steps, payloads, snapshot_every)
+        summary, trace_problems = check_trace(run_dir, nproc, steps, payloads, snapshot_every)
         run.problems += trace_problems
+        run.extra["payload_coverage"] = {
+            r.get("rank"): r.get("payload_coverage") for r in summary.get("per_rank", [])
+        }
     run.extra["command"] = shlex.join(cmd)
     if run.problems:
         run.problems.append(f"command: {shlex.join(cmd)}\nstderr tail:\n{tail(proc)}")
@@ -281,7 +346,9 @@ REPORT_KEYS = (
     "reason",
     "rank",
     "from_step",
+    "to_step",
     "restored_snapshot",
+    "fast_forward",
     "collectives_verified",
     "recorded_steps",
     "recorded_collectives",
@@ -291,6 +358,21 @@ REPORT_KEYS = (
     "notes",
     "seconds",
 )
+
+
+def reached_line(proc: Proc, rank: int) -> dict[str, Any] | None:
+    """The replay's ``reached step S in X s (W steps computed, K run without kernels)`` line."""
+    for ns, line in proc.err:
+        m = REACHED_RE.match(line)
+        if m and int(m.group(1)) == rank:
+            return {
+                "ns": ns,
+                "step": int(m.group(2)),
+                "seconds": float(m.group(3)),
+                "computed": int(m.group(4)),
+                "skipped": int(m.group(5)),
+            }
+    return None
 
 
 def replay(
@@ -303,14 +385,21 @@ def replay(
     timeout_s: float,
     echo: bool,
     from_step: int | None = None,
+    to_step: int | None = None,
+    ff_warmup: int | None = None,
 ) -> tuple[Run, Proc]:
-    """Replay one rank; check only that it produced a report (the caller checks the outcome)."""
+    """Replay one rank; check only that it produced a report (the caller checks the outcome).
+    ff_warmup: ``--fast-forward-warmup`` (None: the replay's default)."""
     report_dir = run_dir / "replays" / f"{name}-rank{rank}"
     if report_dir.exists():
         shutil.rmtree(report_dir)
     cmd = [sys.executable, "-m", "fsdp_replay", "replay", str(run_dir), "--rank", str(rank)]
     if from_step is not None:
         cmd += ["--from-step", str(from_step)]
+    if to_step is not None:
+        cmd += ["--to-step", str(to_step)]
+    if ff_warmup is not None:
+        cmd += ["--fast-forward-warmup", str(ff_warmup)]
     cmd += ["--report", str(report_dir)]
     proc = execute(cmd, timeout_s, echo)
     run = base_run(name, "replay", rep, rank, proc)
@@ -327,11 +416,12 @@ def replay(
         run.after_last_line_s = (proc.exit_ns - max(arrivals.values())) / 1e9
     run.extra["command"] = shlex.join(cmd)
     run.extra["progress_states"] = {
-        s: sum(1 for v in states.values() if v == s) for s in ("verified", "fast-forward")
+        s: sum(1 for v in states.values() if v == s) for s in ("verified", FF_COMPUTED, FF_SKIPPED, FF_LIVE)
     }
     run.extra["progress_steps"] = sorted(arrivals)
     run.extra["arrivals_ns"] = arrivals
     run.extra["states"] = states
+    run.extra["reached"] = reached_line(proc, rank)
     path = report_dir / "report.json"
     try:
         report = json.loads(path.read_text())
@@ -350,26 +440,153 @@ def fail_if(run: Run, proc: Proc | None = None) -> None:
         raise BenchError(f"run {run.name} (rep {run.rep}) is broken:\n  - " + "\n  - ".join(run.problems))
 
 
-def check_bit_exact(run: Run, proc: Proc, steps: int) -> None:
-    """A whole replay must verify every step and say bit-exact, exit 0."""
+def check_bit_exact(run: Run, proc: Proc, steps: int, first: int = 0) -> None:
+    """A replay must verify every step first..steps-1 and say bit-exact, exit 0 (the steps before
+    ``first`` are the fast-forward's: check_fast_forward)."""
     rep = run.report or {}
     if proc.code != 0:
         run.problems.append(f"exit code {proc.code} (0 = bit-exact expected)")
     if rep.get("status") != "bit-exact":
         run.problems.append(f"report status {rep.get('status')!r} (bit-exact expected): {rep.get('reason')}")
-    if rep.get("verified_steps") != list(range(steps)):
+    if rep.get("verified_steps") != list(range(first, steps)):
         run.problems.append(
-            f"report verified_steps {short(rep.get('verified_steps') or [])}, expected 0..{steps - 1}"
+            f"report verified_steps {short(rep.get('verified_steps') or [])}, expected {first}..{steps - 1}"
         )
     states = run.extra["states"]
-    missing = missing_steps(run.extra["arrivals_ns"], steps)
+    missing = [n for n in missing_steps(run.extra["arrivals_ns"], steps) if n >= first]
     if missing:
         run.problems.append(f"no progress line for steps {short(missing)}")
-    not_verified = sorted(n for n, s in states.items() if s != "verified")
+    not_verified = sorted(n for n, s in states.items() if s != "verified" and n >= first)
     if not_verified:
         run.problems.append(f"steps {short(not_verified)} not 'verified' in the progress lines")
-    if not run.step_times_s:
+    if first == 0 and not run.step_times_s:
         run.problems.append("no step time measured")
+
+
+def expected_ff_lines(restore: int, warmup: int) -> tuple[set[int], set[int], set[int]]:
+    """Steps before the restored snapshot with a progress line: (computed, of which optional, skipped).
+
+    The warm-up steps print "computed", the skipped ones "skipped" every 100th step and for the
+    last one. The last warm-up step's line is optional: the agent prints it after the skipping has
+    begun, so the every-100th rule holds it back (it is in the report's counts all the same)."""
+    w = min(warmup, restore)
+    computed = set(range(w))
+    optional = {w - 1} if 0 < w < restore and w % SKIPPED_LINE_EVERY else set()
+    skipped = {s for s in range(w, restore) if (s + 1) % SKIPPED_LINE_EVERY == 0 or s == restore - 1}
+    return computed, optional, skipped
+
+
+def check_fast_forward(run: Run, restore: int, warmup: int) -> None:
+    """A replay that restored the snapshot of step ``restore`` > 0 after ``warmup`` computed steps:
+    the report's ``fast_forward`` object, the ``reached step`` line and the progress lines must
+    all say that exactly steps 0..warmup-1 computed and warmup..restore-1 ran without kernels."""
+    rep = run.report or {}
+    ff = rep.get("fast_forward") or {}
+    w = min(warmup, restore)
+    if rep.get("restored_snapshot") != restore:
+        run.problems.append(f"restored snapshot {rep.get('restored_snapshot')}, expected {restore}")
+    if not ff:
+        run.problems.append("report.json has no fast_forward object")
+        return
+    # this workload's batches all have one shape (drop_last): no call meets new inputs
+    want = {
+        "to_step": restore,
+        "computed_steps": w,
+        "skipped_steps": restore - w,
+        "steps_computed_for_new_inputs": 0,
+        "root_calls_computed": 0,
+    }
+    for key, value in want.items():
+        if ff.get(key) != value:
+            run.problems.append(f"report fast_forward.{key} = {ff.get(key)!r}, expected {value}")
+    timed = ["seconds", "setup_seconds", "computed_seconds"] + (["skipped_seconds"] if restore > w else [])
+    for key in timed:
+        if not isinstance(ff.get(key), int | float) or ff[key] < 0:
+            run.problems.append(f"report fast_forward.{key} = {ff.get(key)!r}, expected seconds")
+    if restore > w:
+        if (ff.get("root_calls_skipped") or 0) < restore - w:
+            run.problems.append(
+                f"report fast_forward.root_calls_skipped = {ff.get('root_calls_skipped')!r} for "
+                f"{restore - w} skipped steps (the model must be skipped in each)"
+            )
+        if not ff.get("ops_as_placeholders"):
+            run.problems.append("report fast_forward.ops_as_placeholders is 0 with steps skipped")
+    elif ff.get("skipped_seconds") is not None or ff.get("root_calls_skipped"):
+        run.problems.append(
+            f"nothing to skip (warm-up {warmup}), yet fast_forward.skipped_seconds = "
+            f"{ff.get('skipped_seconds')!r}, root_calls_skipped = {ff.get('root_calls_skipped')!r}"
+        )
+    reached = run.extra.get("reached")
+    if reached is None:
+        run.problems.append("no '[fsdp-replay] rank R: reached step S in X s ...' line")
+    else:
+        got = (reached["step"], reached["computed"], reached["skipped"])
+        if got != (restore, w, restore - w):
+            run.problems.append(
+                f"reached line says step {got[0]}, {got[1]} computed, {got[2]} skipped; expected "
+                f"{restore}, {w}, {restore - w}"
+            )
+        if isinstance(ff.get("seconds"), int | float) and abs(reached["seconds"] - ff["seconds"]) > 0.006:
+            run.problems.append(f"reached line says {reached['seconds']} s, the report {ff['seconds']} s")
+    states: dict[int, str] = run.extra["states"]
+    computed, optional, skipped = expected_ff_lines(restore, w)
+    got_computed = {n for n, v in states.items() if v == FF_COMPUTED}
+    got_skipped = {n for n, v in states.items() if v == FF_SKIPPED}
+    if not computed - optional <= got_computed <= computed:
+        run.problems.append(
+            f"'{FF_COMPUTED}' lines for steps {short(sorted(got_computed))}, expected {short(sorted(computed))}"
+        )
+    if got_skipped != skipped:
+        run.problems.append(
+            f"'{FF_SKIPPED}' lines for steps {short(sorted(got_skipped))}, expected {short(sorted(skipped))}"
+        )
+    wrong = sorted(n for n, v in states.items() if (n < restore) == (v == "verified") or v == FF_LIVE)
+    if wrong:
+        run.problems.append(
+            f"steps {short(wrong)} have progress lines of the wrong kind: {[states[n] for n in wrong[:5]]}"
+        )
+    run.extra["last_warmup_line_printed"] = bool(optional & got_computed) if optional else None
+
+
+def fast_forward_times(run: Run, proc: Proc) -> None:
+    """Where a --from-step replay's time went: the report's fast_forward split, and on the
+    command's clock the ``reached step`` line (printed once the snapshot is restored)."""
+    ff = (run.report or {}).get("fast_forward") or {}
+    reached = run.extra["reached"]
+
+    def num(key: str) -> float:
+        v = ff.get(key)
+        return float(v) if isinstance(v, int | float) else float("nan")
+
+    skipped = ff.get("skipped_steps") or 0
+    restored_at = reached["ns"] / 1e9
+    run.extra.update(
+        ff_seconds=num("seconds"),
+        ff_setup_s=num("setup_seconds"),
+        ff_computed_s=num("computed_seconds"),
+        ff_skipped_s=num("skipped_seconds") if skipped else 0.0,
+        ff_skipped_ms_per_step=num("skipped_seconds") / skipped * 1e3 if skipped else float("nan"),
+        ff_computed_ms_per_step=num("computed_seconds") / ff["computed_steps"] * 1e3
+        if ff.get("computed_steps")
+        else float("nan"),
+        restored_at_s=restored_at,  # command start -> snapshot restored
+        # CLI start-up and checks, the program's interpreter before the agent, the snapshot load
+        outside_ff_s=restored_at - num("setup_seconds") - num("seconds"),
+        after_restore_s=proc.exit_ns / 1e9 - restored_at,
+        ff_counts={
+            k: ff.get(k)
+            for k in (
+                "computed_steps",
+                "skipped_steps",
+                "steps_computed_for_new_inputs",
+                "root_calls_skipped",
+                "root_calls_computed",
+                "ops_as_placeholders",
+                "small_ops_computed",
+                "values_served",
+            )
+        },
+    )
 
 
 def check_losses(run: Run, recorded: Run) -> None:
@@ -618,27 +835,9 @@ def part_divergence(
             )
         if fd.get("rank") != NOISE_RANK or fd.get("step") != k:
             rp.problems.append(f"first divergence at rank {fd.get('rank')} step {fd.get('step')}")
-        if report.get("restored_snapshot") != (restore or None):
-            rp.problems.append(f"restored snapshot {report.get('restored_snapshot')}, expected {restore}")
-        arrivals: dict[int, int] = rp.extra["arrivals_ns"]
-        states: dict[int, str] = rp.extra["states"]
-        ff = sorted(s for s, v in states.items() if v == "fast-forward")
-        if ff != list(range(restore)):
-            rp.problems.append(
-                f"fast-forward progress lines for steps {short(ff)}, expected 0..{restore - 1}"
-            )
+        check_fast_forward(rp, restore, FF_WARMUP_DEFAULT)
         fail_if(rp, proc)
-        # where the time goes: start-up (to the end of step 0), fast-forward, the rest
-        t_first = arrivals[0] / 1e9 if 0 in arrivals else float("nan")
-        t_last_ff = arrivals[ff[-1]] / 1e9 if ff else t_first
-        ff_gaps = gaps({s: arrivals[s] for s in ff}, 1, len(ff) - 1) if ff else []
-        rp.extra.update(
-            startup_to_step0_s=t_first,
-            fast_forward_s=t_last_ff - t_first,
-            fast_forward_steps=len(ff),
-            fast_forward_step_median_s=statistics.median(ff_gaps) if ff_gaps else float("nan"),
-            after_fast_forward_s=proc.exit_ns / 1e9 - t_last_ff,
-        )
+        fast_forward_times(rp, proc)
         replays.append(rp)
         runs.append(rp)
         log(rp)
@@ -649,13 +848,12 @@ def part_divergence(
 
     checks += [
         f"3 recordings of {n} steps (tiny model): exit 0, rank 0 printed every step, `inspect --json` complete "
-        f"with all steps and no damage/errors/drops; no payloads with --payloads none, payloads only for "
-        f"{window} (and snapshots every {snap_every} steps) in the third",
+        f"with all steps and no damage/errors/drops; no payloads with --payloads none, payloads for at least "
+        f"{window} with --payloads {window} (and snapshots every {snap_every} steps) in the third",
         f"the noisy run printed the same losses as the clean one before step {k}",
         f"every `diff` exited 1 and named rank {NOISE_RANK} step {k} as the first divergence",
         f"every `replay --rank {NOISE_RANK} --from-step {k}` exited 1 with status diverged, first divergence at "
-        f"rank {NOISE_RANK} step {k}, restored the snapshot of step {restore} and printed a fast-forward line "
-        f"for each of steps 0..{restore - 1}",
+        f"rank {NOISE_RANK} step {k}, restored the snapshot of step {restore}; {FF_CHECK_TEXT}",
     ]
     summary = {
         "steps": n,
@@ -664,10 +862,12 @@ def part_divergence(
         "payload_window": window,
         "snapshot_every": snap_every,
         "restored_snapshot": restore,
+        "fast_forward_warmup": FF_WARMUP_DEFAULT,
         "first_printed_loss_difference_step": printed_diff,
         "recorded_step_median_s": {r.name: r.step_median_s for r in (clean, noisy, win)},
         "recording_wall_s": {r.name: r.wall_s for r in (clean, noisy, win)},
         "trace_bytes": {r.name: r.trace_bytes for r in (clean, noisy, win)},
+        "window_payload_coverage": win.extra.get("payload_coverage"),
         "diff_command": shlex.join(diff_cmd),
         "diff": diff_runs,
         "diff_wall_s": spread([d["wall_s"] for d in diff_runs]),
@@ -675,12 +875,136 @@ def part_divergence(
         "replay_command": replays[0].extra["command"] if replays else None,
         "replay_wall_s": spread([r.wall_s for r in replays]),
         "replay_report_seconds": spread([float((r.report or {}).get("seconds") or "nan") for r in replays]),
-        "replay_startup_to_step0_s": spread([r.extra["startup_to_step0_s"] for r in replays]),
-        "replay_fast_forward_s": spread([r.extra["fast_forward_s"] for r in replays]),
-        "replay_fast_forward_step_median_s": spread([r.extra["fast_forward_step_median_s"] for r in replays]),
-        "replay_after_fast_forward_s": spread([r.extra["after_fast_forward_s"] for r in replays]),
+        **{f"replay_{key}": spread([r.extra[key] for r in replays]) for key in FF_TIME_KEYS},
+        "replay_fast_forward_counts": replays[0].extra["ff_counts"] if replays else None,
         "replay_first_divergence": (replays[0].report or {}).get("first_divergence") if replays else None,
     }
+    return summary, runs, checks
+
+
+# -- part 3: time to reach step S -------------------------------------------------------------------
+def reach_configs(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(mode, S) of every replay of a repetition: the fast-forward at every S, then the baseline."""
+    return [("fast-forward", s) for s in args.reach_at] + [("computed", s) for s in args.reach_baseline_at]
+
+
+def part_reach(args: argparse.Namespace, work: Path, log: Any) -> tuple[dict[str, Any], list[Run], list[str]]:
+    n, every = args.reach_steps, args.reach_snapshot_every
+    targets = args.reach_at
+    payloads = "steps:" + ",".join(f"{s}-{s + 1}" for s in targets)
+    run_dir = work / "reach"
+    runs: list[Run] = []
+    rec = record(
+        "record-reach",
+        0,
+        run_dir,
+        2,
+        [*TINY_ARGS, "--steps", str(n)],
+        n,
+        args.warmup_steps,
+        payloads,
+        every,
+        args.timeout,
+        args.verbose,
+    )
+    fail_if(rec)
+    runs.append(rec)
+    log(rec)
+    rest(args.cooldown)
+
+    configs = reach_configs(args)
+    replays: list[Run] = []
+    for rep in range(args.reach_reps):
+        shift = rep % len(configs)
+        for mode, target in configs[shift:] + configs[:shift]:
+            warm = target if mode == "computed" else None
+            rp, proc = replay(
+                f"reach-{'ff' if warm is None else 'computed'}-S{target}",
+                rep,
+                run_dir,
+                NOISE_RANK,
+                target + 2,
+                args.warmup_steps,
+                args.timeout,
+                args.verbose,
+                from_step=target,
+                to_step=target + 1,
+                ff_warmup=warm,
+            )
+            check_bit_exact(rp, proc, target + 2, first=target)
+            check_fast_forward(rp, target, FF_WARMUP_DEFAULT if warm is None else warm)
+            fail_if(rp, proc)
+            fast_forward_times(rp, proc)
+            rp.extra.update(mode=mode, target=target)
+            replays.append(rp)
+            runs.append(rp)
+            log(rp)
+            rest(args.cooldown)
+    cleanup(run_dir, args.keep)
+
+    step_s = rec.step_median_s
+    by_config: dict[str, Any] = {}
+    for mode, target in configs:
+        rs = [r for r in replays if r.extra["mode"] == mode and r.extra["target"] == target]
+        by_config[f"{mode} S={target}"] = {
+            "mode": mode,
+            "target": target,
+            "runs": len(rs),
+            "command": rs[0].extra["command"],
+            "counts": rs[0].extra["ff_counts"],
+            "wall_s": spread([r.wall_s for r in rs]),
+            "report_seconds": spread([float((r.report or {}).get("seconds") or "nan") for r in rs]),
+            **{key: spread([r.extra[key] for r in rs]) for key in FF_TIME_KEYS},
+            "ratio_to_recorded_step": spread([r.extra["ff_seconds"] / step_s for r in rs]),
+        }
+    # The growth in S: a least-squares line through every fast-forward run's seconds against its
+    # skipped steps, and per repetition the slope between the smallest and the largest S.
+    ff_runs = [r for r in replays if r.extra["mode"] == "fast-forward"]
+    xs = [float(r.extra["ff_counts"]["skipped_steps"]) for r in ff_runs]
+    ys = [r.extra["ff_seconds"] for r in ff_runs]
+    lo, hi = min(targets), max(targets)
+    per_rep: list[float] = []
+    increases: list[float] = []
+    for rep in range(args.reach_reps if hi > lo else 0):
+        a = next(r for r in ff_runs if r.rep == rep and r.extra["target"] == lo).extra["ff_seconds"]
+        b = next(r for r in ff_runs if r.rep == rep and r.extra["target"] == hi).extra["ff_seconds"]
+        increases.append(b - a)
+        per_rep.append((b - a) / (hi - lo))
+    slope_s = statistics.linear_regression(xs, ys).slope if len(set(xs)) > 1 else float("nan")
+    increase = spread(increases)
+    summary = {
+        "steps": n,
+        "targets": targets,
+        "baseline_targets": args.reach_baseline_at,
+        "snapshot_every": every,
+        "payloads": payloads,
+        "reps": args.reach_reps,
+        "rank": NOISE_RANK,
+        "fast_forward_warmup": FF_WARMUP_DEFAULT,
+        "record_command": rec.extra["command"],
+        "recorded_step_median_s": step_s,
+        "recorded_step_mean_s": rec.step_mean_s,
+        "recorded_step_iqr_s": list(quantiles(rec.step_times_s))[::2],
+        "recording_wall_s": rec.wall_s,
+        "trace_bytes": rec.trace_bytes,
+        "payload_coverage": rec.extra.get("payload_coverage"),
+        "by_config": by_config,
+        "slope_s_per_skipped_step_fit": slope_s,
+        "slope_s_per_skipped_step_per_rep": spread(per_rep),
+        "slope_fraction_of_recorded_step": slope_s / step_s,
+        "increase_s": {"from": lo, "to": hi, **increase},
+    }
+    checks = [
+        f"1 recording of {n} steps (tiny model, 2 ranks, --payloads {payloads} --snapshot-every {every}): exit 0, "
+        "rank 0 printed every step, `inspect --json` complete with all steps, no damage/errors/drops, payloads "
+        "for at least those steps, snapshots every "
+        f"{every} steps",
+        f"{len(replays)} replays `replay --rank {NOISE_RANK} --from-step S --to-step S+1` "
+        f"({args.reach_reps} x S = {', '.join(map(str, targets))} with the default fast-forward, and S = "
+        f"{', '.join(map(str, args.reach_baseline_at)) or 'none'} with --fast-forward-warmup S): every one exited "
+        "0 with status bit-exact, verified_steps = [S, S+1] and a `verified` progress line for both; "
+        + FF_CHECK_TEXT.replace("the warm-up", "the warm-up (2, or S with --fast-forward-warmup S)", 1),
+    ]
     return summary, runs, checks
 
 
@@ -726,9 +1050,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--long-reps", type=int, default=None, help="replay --from-step runs (default 3; --quick 1)"
     )
     p.add_argument(
+        "--reach-at",
+        default=None,
+        help="part 3: the steps S replayed from, comma-separated (default 10,100,1000; --quick 10,100)",
+    )
+    p.add_argument(
+        "--reach-baseline-at",
+        default=None,
+        help="part 3: the S also replayed with --fast-forward-warmup S, computing every step before S "
+        "(default 10,100; --quick 10; '' for none)",
+    )
+    p.add_argument(
+        "--reach-steps", type=int, default=None, help="part 3: steps of its recording (default max S + 10)"
+    )
+    p.add_argument(
+        "--reach-snapshot-every",
+        type=int,
+        default=10,
+        help="part 3: snapshots in its recording (default 10; every S must be a multiple)",
+    )
+    p.add_argument(
+        "--reach-reps",
+        type=int,
+        default=None,
+        help="part 3: repetitions of its replays (default 5; --quick 1)",
+    )
+    p.add_argument(
         "--parts",
-        default="speed,divergence",
-        help="comma-separated subset of: speed, divergence (default both)",
+        default="speed,divergence,reach",
+        help="comma-separated subset of: speed, divergence, reach (default all three)",
     )
     p.add_argument("--workdir", default=None, help="where runs are recorded (default: a temporary folder)")
     p.add_argument(
@@ -748,22 +1098,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.long_snapshot_every = args.long_snapshot_every or max(1, args.long_steps // 10)
     args.diff_reps = args.diff_reps or (3 if args.quick else 5)
     args.long_reps = args.long_reps or (1 if args.quick else 3)
+
+    def steps_list(text: str) -> list[int]:
+        try:
+            return sorted({int(x) for x in text.split(",") if x.strip()})
+        except ValueError:
+            p.error(f"expected comma-separated step numbers, not {text!r}")
+
+    reach_at = args.reach_at if args.reach_at is not None else ("10,100" if args.quick else "10,100,1000")
+    baseline = args.reach_baseline_at
+    baseline = baseline if baseline is not None else ("10" if args.quick else "10,100")
+    args.reach_at, args.reach_baseline_at = steps_list(reach_at), steps_list(baseline)
+    args.reach_steps = args.reach_steps or max(args.reach_at, default=0) + 10
+    args.reach_reps = args.reach_reps or (1 if args.quick else 5)
+    every = args.reach_snapshot_every
+    for s in {*args.reach_at, *args.reach_baseline_at}:
+        if s <= 0 or every <= 0 or s % every or s + 2 > args.reach_steps:
+            p.error(
+                f"step {s}: every S of --reach-at and --reach-baseline-at must be a positive multiple of "
+                f"--reach-snapshot-every ({every}) with S + 2 <= --reach-steps ({args.reach_steps})"
+            )
+    if not args.reach_at:
+        p.error("--reach-at names no step")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    from replay_report import ratio_verdict, render_markdown, time_verdict
+    from replay_report import flat_verdict, ratio_verdict, reach_verdict, render_markdown, time_verdict
 
     args = parse_args(argv)
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
-    if not parts or parts - {"speed", "divergence"}:
-        print(f"bench: --parts takes speed and/or divergence, not {args.parts!r}", file=sys.stderr)
+    if not parts or parts - {"speed", "divergence", "reach"}:
+        print(f"bench: --parts takes speed, divergence and/or reach, not {args.parts!r}", file=sys.stderr)
         return 2
     if args.steps < args.warmup_steps + 2:
         print(f"bench: --steps must be at least {args.warmup_steps + 2}", file=sys.stderr)
         return 2
     if not 0 < args.noise_step < args.long_steps:
         print("bench: --noise-step must be inside the long run", file=sys.stderr)
+        return 2
+    if args.long_snapshot_every > args.noise_step:
+        print(
+            "bench: --long-snapshot-every must leave a snapshot after step 0 by --noise-step", file=sys.stderr
+        )
         return 2
     stem = Path(args.results) if args.results else RESULTS_DIR / ("replay.quick" if args.quick else "replay")
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-replay-"))
@@ -786,6 +1163,12 @@ def main(argv: list[str] | None = None) -> int:
             f"divergence: 3 recordings of {args.long_steps} steps, {args.diff_reps} diff(s), "
             f"{args.long_reps} replay(s) from step {args.noise_step}"
         )
+    if "reach" in parts:
+        plan.append(
+            f"reach: 1 recording of {args.reach_steps} steps, {args.reach_reps} repetition(s) x "
+            f"{len(reach_configs(args))} replays (from S = {args.reach_at}, computed from S = "
+            f"{args.reach_baseline_at})"
+        )
     print(f"bench: {'; '.join(plan)}; runs in {work}", flush=True)
     all_runs: list[Run] = []
 
@@ -793,6 +1176,13 @@ def main(argv: list[str] | None = None) -> int:
         all_runs.append(r)
         rep = r.report or {}
         what = rep.get("status") or (f"collector {r.collector_s}s, trace {fmt_bytes(r.trace_bytes)}")
+        ff = rep.get("fast_forward") or {}
+        if ff:
+            what += (
+                f"; reached step {ff.get('to_step')} in {ff.get('seconds')} s (set-up {ff.get('setup_seconds')} s, "
+                f"{ff.get('computed_steps')} computed in {ff.get('computed_seconds')} s, {ff.get('skipped_steps')} "
+                f"skipped in {ff.get('skipped_seconds')} s)"
+            )
         print(
             f"  [{time.time() - started:6.0f}s] rep {r.rep} {r.name:20s}: median step {fmt_ms(r.step_median_s)} ms, "
             f"mean {fmt_ms(r.step_mean_s)} ms, wall {r.wall_s:.1f}s, start-up {fmt_s(r.first_line_s)}s; {what}; "
@@ -803,12 +1193,16 @@ def main(argv: list[str] | None = None) -> int:
     checks: list[str] = []
     speed_runs: list[Run] = []
     divergence: dict[str, Any] = {}
+    reach: dict[str, Any] = {}
     try:
         if "speed" in parts:
             speed_runs, c = part_speed(args, work, log)
             checks += c
         if "divergence" in parts:
             divergence, _runs, c = part_divergence(args, work, log)
+            checks += c
+        if "reach" in parts:
+            reach, _runs, c = part_reach(args, work, log)
             checks += c
     except BenchError as e:
         print(f"bench: {e}", file=sys.stderr)
@@ -849,6 +1243,12 @@ def main(argv: list[str] | None = None) -> int:
                 args.quick,
             )
         )
+    if reach:
+        for x in reach["by_config"].values():
+            if x["mode"] == "fast-forward":
+                verdicts.append(reach_verdict(x, reach["recorded_step_median_s"], args.quick))
+        if len(reach["targets"]) > 1:
+            verdicts.append(flat_verdict(reach, args.quick))
     defaults = example_defaults()
     model_keys = ("d_model", "layers", "heads", "seq_len", "batch_size", "grad_accum", "vocab", "workers")
     workload_model = ", ".join(f"{k}={defaults[k]}" for k in model_keys if k in defaults)
@@ -884,6 +1284,12 @@ def main(argv: list[str] | None = None) -> int:
             "long_train_args": [*TINY_ARGS, "--steps", str(args.long_steps)],
             "diff_reps": args.diff_reps,
             "long_reps": args.long_reps,
+            "reach_at": args.reach_at,
+            "reach_baseline_at": args.reach_baseline_at,
+            "reach_steps": args.reach_steps,
+            "reach_snapshot_every": args.reach_snapshot_every,
+            "reach_reps": args.reach_reps,
+            "reach_train_args": [*TINY_ARGS, "--steps", str(args.reach_steps)],
             "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
             "timing_source": "recording: wall time between rank 0's consecutive 'step N' stdout lines; replay: "
             "between the replay's consecutive '[fsdp-replay] rank R: step N/M verified' stderr lines; both read "
@@ -892,11 +1298,13 @@ def main(argv: list[str] | None = None) -> int:
         "verdicts": verdicts,
         "speed": {"summary": speed_summary},
         "divergence": divergence,
+        "reach": reach,
         "checks": checks,
         "runs": runs_doc,
     }
     stem.parent.mkdir(parents=True, exist_ok=True)
     md_path, json_path = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
+    doc = portable_paths(doc, work)
     json_path.write_text(json.dumps(doc, indent=2) + "\n")
     md = render_markdown(doc)
     md_path.write_text(md)

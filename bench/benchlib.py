@@ -199,15 +199,28 @@ def check_trace(
         elif payloads.startswith("window:") and (stored or (r.get("flight_recorder") or {}).get("dumps")):
             problems.append(f"rank {rk}: {stored} payloads stored by a run that ended well with {payloads}")
         elif payloads.startswith("steps:"):
+            # Tensors of 64 KiB or less keep their bytes in every step under a steps policy
+            # (agent/tensor_record.py), so more steps than the window may hold payloads: a model
+            # whose collectives are all small has them all. The window must be covered.
             window = payloads.split(":", 1)[1]
-            if not stored or stored >= (outputs or 0) or cov.get("steps") != window:
+            if not stored or not step_ranges(window) <= step_ranges(str(cov.get("steps") or "")):
                 problems.append(
-                    f"rank {rk}: payload coverage {cov} (expected some outputs, steps {window}, with {payloads})"
+                    f"rank {rk}: payload coverage {cov} (expected at least steps {window}, with {payloads})"
                 )
         snaps = sorted(r.get("snapshots") or [])
         if snaps != want_snaps:
             problems.append(f"rank {rk}: snapshots at steps {snaps}, expected {want_snaps}")
     return summary, problems
+
+
+def step_ranges(spec: str) -> set[int]:
+    """The steps of a ``0-3,10`` spec (as inspect prints payload coverage)."""
+    steps: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if lo.isdigit():
+            steps.update(range(int(lo), int(hi if hi.isdigit() else lo) + 1))
+    return steps
 
 
 # -- running the measured commands ----------------------------------------------------------------
