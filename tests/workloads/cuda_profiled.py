@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 import torch
+from kineto_events import activity  # this folder: the script's own
 from torch.optim import optimizer as optim_module
 from torch.profiler import ProfilerActivity, profile
 
@@ -30,27 +31,9 @@ KERNEL_TYPES = ("kernel",)
 COPY_TYPES = ("gpu_memcpy", "gpu_memset")
 
 
-def _activity(e: Any) -> str:
-    """Kineto's activity type of an event ("kernel", "gpu_memcpy", ...); by name where this
-    torch does not say."""
-    kind = getattr(e, "activity_type", None)
-    if kind is not None:
-        return str(kind())
-    if str(e.device_type()).endswith("CUDA"):
-        name = e.name()
-        return (
-            "gpu_memcpy"
-            if name.startswith("Memcpy")
-            else "gpu_memset"
-            if name.startswith("Memset")
-            else "kernel"
-        )
-    return "cpu"
-
-
 def by_step(events: list[Any]) -> dict[str, Any]:
-    kernels = sorted((e.correlation_id(), e.name()) for e in events if _activity(e) in KERNEL_TYPES)
-    copies = sorted(e.correlation_id() for e in events if _activity(e) in COPY_TYPES)
+    kernels = sorted((e.correlation_id(), e.name()) for e in events if activity(e) in KERNEL_TYPES)
+    copies = sorted(e.correlation_id() for e in events if activity(e) in COPY_TYPES)
     markers = [corr for corr, name in kernels if MARKER in name]
     steps: dict[int, list[str]] = collections.defaultdict(list)
     for corr, name in kernels:
@@ -61,7 +44,7 @@ def by_step(events: list[Any]) -> dict[str, Any]:
         "markers": len(markers),
         "kernels": {str(k): v for k, v in sorted(steps.items())},
         "copies": {str(k): v for k, v in sorted(copies_by_step.items())},
-        "activity_types": dict(collections.Counter(_activity(e) for e in events)),
+        "activity_types": dict(collections.Counter(activity(e) for e in events)),
     }
 
 

@@ -13,9 +13,9 @@ import argparse
 import collections
 import json
 import os
-from typing import Any
 
 import torch
+from kineto_events import activity  # this folder: the script's own
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -44,29 +44,11 @@ def main() -> None:
         if step == args.profile_to and prof is not None:
             prof.stop()
             events = list(prof.profiler.kineto_results.events())
-            kinds = collections.Counter(_activity(e) for e in events)
-            names = collections.Counter(e.name() for e in events if _activity(e) == "kernel")
+            kinds = collections.Counter(activity(e) for e in events)
+            names = collections.Counter(e.name() for e in events if activity(e) == "kernel")
             with open(os.environ["PROFILE_OUT"], "w") as f:
                 json.dump({"activity_types": dict(kinds), "top_kernels": names.most_common(8)}, f)
         print(f"step {step} loss {loss.item():.6f}", flush=True)
-
-
-def _activity(e: Any) -> str:
-    """Kineto's activity type of an event ("kernel", "gpu_memcpy", ...); by device and name where
-    this torch's events do not say (2.11's have no ``activity_type``)."""
-    kind = getattr(e, "activity_type", None)
-    if kind is not None:
-        return str(kind())
-    if str(e.device_type()).endswith("CUDA"):
-        name = e.name()
-        return (
-            "gpu_memcpy"
-            if name.startswith("Memcpy")
-            else "gpu_memset"
-            if name.startswith("Memset")
-            else "kernel"
-        )
-    return "cpu"
 
 
 if __name__ == "__main__":
