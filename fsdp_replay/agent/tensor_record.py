@@ -17,10 +17,15 @@ from fsdp_replay.trace.events import Tensor
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 SMALL_PAYLOAD_BYTES = 64 << 10
-"""A tensor this small has its bytes stored in every step (with a payload policy of steps or all):
-what a framework exchanges once (DDP's parameter shapes, its rebuilt buckets), what a program
-all-reduces to log (a loss), a small batch. They cost little, and a replay from a late snapshot
-needs them: a collective's answer the program reads, or the batch a warm-up step computes on."""
+"""In the first two steps (``WARMUP_PAYLOAD_STEPS``) a tensor this small keeps its bytes under any
+steps/all payload policy: what a framework exchanges once (DDP's parameter shapes at construction,
+its rebuilt buckets at the second step's forward) and the small batches of the steps a replay's
+fast-forward computes before it skips (``replayer/fastforward.py``)."""
+WARMUP_PAYLOAD_STEPS = 2
+TINY_PAYLOAD_BYTES = 64
+"""In every step a tensor this small keeps its bytes: a loss or a flag the program all-reduces to
+log or to decide on, which a replay hands back while it skips steps. Larger ones only in the first
+steps: a small model's every collective is small, and keeping them all would keep everything."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -73,14 +78,16 @@ class TensorRecorder:
         small: bool = True,
     ) -> Tensor:
         """A tensor's entry; fingerprinted here unless its (fingerprint, nonfinite, algo) is ``known``;
-        ``small``: a small tensor keeps its bytes whatever ``store`` (SMALL_PAYLOAD_BYTES)."""
+        ``small``: a small tensor keeps its bytes whatever ``store`` (TINY/SMALL_PAYLOAD_BYTES)."""
         w = self.state.writer
         assert w is not None
         t = capture.local(t)
         fp, nf, algo = known if known is not None else fingerprint(t)
         blob: Any = schema.NO_BLOB
-        if not store and small and self.small_always and nbytes_of(t) <= SMALL_PAYLOAD_BYTES:
-            store = True
+        if not store and small and self.small_always:
+            nbytes = nbytes_of(t)
+            early = self.state.pos.step < WARMUP_PAYLOAD_STEPS
+            store = nbytes <= TINY_PAYLOAD_BYTES or (early and nbytes <= SMALL_PAYLOAD_BYTES)
         if store:
             nbytes = nbytes_of(t)
             if self.flight is not None:

@@ -125,11 +125,13 @@ class Reach:
     def progress_line(self, step: int) -> str | None:
         """The progress state of step ``step``; None: no line (skipped steps: one every 100)."""
         ff = self.ff
-        if ff is not None and ff.active and step + 1 < self.restore_step and (step + 1) % 100:
+        if ff is None or step >= self.restore_step:
+            return "verified" if step >= self.restore_step else "fast-forward"
+        if step < ff.warmup:
+            return "fast-forward, computed"
+        if step + 1 < self.restore_step and (step + 1) % 100:
             return None
-        if ff is not None and step < self.restore_step:
-            return "fast-forward, computed" if step < ff.warmup else "fast-forward, skipped"
-        return "verified" if step >= self.restore_step else "fast-forward"
+        return "fast-forward, skipped"
 
     # -- the restore -----------------------------------------------------------------------
     def restoring(self, seq: int) -> int:
