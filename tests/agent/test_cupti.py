@@ -5,7 +5,7 @@ CPU recording with ``--cupti always`` that says the capture is off and never imp
 cupti-python is not needed (CI does not install the ``gpu`` extra): ``agent/cupti/records.py``
 takes CUPTI's enum values as parameters, and the records here are objects with the attributes
 cupti-python's record classes have (``ActivityKernel11``, ``ActivityAPI``, ``ActivityMemcpy6``,
-``ActivityMemset4``, ``ActivityExternalCorrelation``). The GPU side is ``tests/system/test_cupti.py``.
+``ActivityMemset4``, ``ActivityExternalCorrelation``). The GPU side is ``tests/system/test_cupti_gpu.py``.
 """
 
 from __future__ import annotations

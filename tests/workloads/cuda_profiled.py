@@ -1,6 +1,6 @@
 """Run a training script under torch.profiler with CUDA activities only.
 
-An independent count for the CUPTI capture's GPU test (``tests/system/test_cupti.py``), and the
+An independent count for the CUPTI capture's GPU test (``tests/system/test_cupti_gpu.py``), and the
 comparison configuration of ``bench/bench_record.py`` (``torch-profiler``). With $COUNT_OUT set,
 rank 0 writes ``kernels-0.json`` there: the kernels (by name, in launch order) and the copies
 Kineto saw in each step. Steps are told apart as fsdp-replay's trace numbers them (step k: from

@@ -1,6 +1,6 @@
 """A small CUDA training loop that opens a torch.profiler window (CUDA activities) for a few steps.
 
-For the CUPTI capture's coexistence test (``tests/system/test_cupti.py``): recorded with
+For the CUPTI capture's coexistence test (``tests/system/test_cupti_gpu.py``): recorded with
 ``--cupti always``, the profiler must get its kernels while our capture stands aside, and our
 capture must come back after the window. The profiler starts before iteration --profile-from and
 stops after the optimizer step of iteration --profile-to; what it saw goes to $PROFILE_OUT (JSON:
