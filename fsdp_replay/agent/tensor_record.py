@@ -24,8 +24,9 @@ fast-forward computes before it skips (``replayer/fastforward.py``)."""
 WARMUP_PAYLOAD_STEPS = 2
 TINY_PAYLOAD_BYTES = 64
 """In every step a tensor this small keeps its bytes: a loss or a flag the program all-reduces to
-log or to decide on, which a replay hands back while it skips steps. Larger ones only in the first
-steps: a small model's every collective is small, and keeping them all would keep everything."""
+log or to decide on; the one it makes after a window's last optimizer step is counted in the next
+step, and a replay of the window needs it. Larger ones only in the first steps: a small model's
+every collective is small, and keeping them all would keep everything."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

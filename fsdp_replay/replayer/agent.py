@@ -228,7 +228,7 @@ class Replayer:
 
     def _run(self, call: CollectiveCall, real: Any) -> Any:
         if self.reach.skipping():
-            return self.reach.collective(call, real, self.step)
+            return self.reach.collective(call, real)
         seq = self.seq
         self.seq += 1
         self.rec.advance(seq)

@@ -213,7 +213,6 @@ class RankRecord:
                     )
                 )
         self.tape = self._tape(rt, names, dims)
-        self._by_step: dict[int, list[ExpectedColl]] | None = None
         self._cache: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self._cache_bytes = 0
         self._lock = threading.Lock()
@@ -263,15 +262,6 @@ class RankRecord:
             if coll.step >= step:
                 return seq
         return len(self.colls)
-
-    def colls_of_step(self, step: int) -> list[ExpectedColl]:
-        """The recorded collectives of ``step``, in order."""
-        if self._by_step is None:
-            by_step: dict[int, list[ExpectedColl]] = collections.defaultdict(list)
-            for c in self.colls.values():
-                by_step[c.step].append(c)
-            self._by_step = by_step
-        return self._by_step.get(step, [])
 
     def snapshot_at_or_before(self, step: int) -> dict[str, Any] | None:
         best = [s for s in self.snapshots if s <= step and self.snapshots[s].get("payload", -1) >= 0]

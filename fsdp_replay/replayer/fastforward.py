@@ -14,8 +14,8 @@ kernels:
   uninitialized (marked), a smaller one is zeros (so the program's checks on a loss, a norm or a
   flag read a zero: finite, not NaN, no overflow found); in-place and ``out=`` ops change
   nothing. Ops whose inputs are all small real tensors (a step counter, a loss accumulator)
-  compute, as do views and collectives (the replay's fake process group answers those: where the
-  trace holds a matching small payload, a logged all-reduced loss gets its recorded value).
+  compute, as do views and collectives (the replay's fake process group answers those, leaving
+  the buffers as they are: an all-reduce keeps this rank's own value).
   No kernel runs for a tensor of more than ``SMALL`` elements.
 - **Batches** are served from the trace without the dataset (``serve.py``): placeholders here.
 - **Values read**: the loss passed to ``backward`` is given its recorded value, so what the

@@ -2,8 +2,8 @@
 
 A replay from step S restores the snapshot of S when the program reaches it. Before that the
 fast-forward runs (``fastforward.py``): the first steps compute, the rest run without kernels, and
-what the program reads of them gets the recorded values where the trace has them (a loss, a small
-collective it logs). Right after the restore, collectives whose inputs the program computed before
+the loss the program passes to ``backward`` gets its recorded value (what it logs from it is what
+the recording logged). Right after the restore, collectives whose inputs the program computed before
 the snapshot (a loss all-reduced after the optimizer step) are answered but not checked. With a
 flight recorder's window, the record's payloads end where its dumps end. This module is that
 bookkeeping; ``agent.Replayer`` calls it at its hooks.
@@ -11,7 +11,6 @@ bookkeeping; ``agent.Replayer`` calls it at its hooks.
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +21,7 @@ from fsdp_replay.agent import capture
 from fsdp_replay.agent.collectives import CollectiveCall, wait_result
 from fsdp_replay.replayer.expected import ExpectedColl, RankRecord
 from fsdp_replay.replayer.fake_pg import completed_work
-from fsdp_replay.replayer.fastforward import SMALL, FastForward
+from fsdp_replay.replayer.fastforward import FastForward
 
 
 class Reach:
@@ -42,7 +41,6 @@ class Reach:
         self.notes = notes
         # Steps before the snapshot: the first few compute, the rest run without kernels.
         self.ff = FastForward(restore_step, warmup, fail) if restore_step > 0 and not live else None
-        self._pending: dict[int, list[ExpectedColl]] = {}  # a skipped step's recorded collectives
         # After the restore, until the program draws a batch or calls its model.
         self.after_restore = False
         self.unverified_after_restore = 0
@@ -69,35 +67,20 @@ class Reach:
         self.loop_started()
         return "bytes" if step >= self.restore_step else "zeros"
 
-    def collective(self, call: CollectiveCall, real: Any, step: int) -> Any:
+    def collective(self, call: CollectiveCall, real: Any) -> Any:
         """A collective of a step the fast-forward skips (one the program makes outside its model,
-        such as a loss it all-reduces to log) or computes late: the fake backend completes it;
-        where the step's record has a small one of the same op and shapes with its payload, the
-        output gets its recorded value; a computed step's other outputs are zeros."""
+        such as a loss it all-reduces to log) or computes late: the fake backend completes it and
+        leaves its buffers as they are (an all-reduce's: this rank's own value). The recorded
+        answer is not read: a payload read costs milliseconds, about what the skipped step itself
+        costs, and the steps before the snapshot do not decide the verdict. A step computed late
+        gets zeros, so its model computes on no garbage."""
         ff = self.ff
         assert ff is not None
         result = real()
         call.set_outputs(result)
         wait_result(result, call)
         ff.collectives_seen += 1
-        pending = self._pending.get(step)
-        if pending is None:
-            pending = self._pending[step] = list(self.rec.colls_of_step(step))
-            self._pending.pop(step - 1, None)
-        shapes = [tuple(capture.local(t).shape) for t in call.outputs]
-        for i, exp in enumerate(pending):
-            outs = exp.role("o")
-            if exp.op != call.op or [e.shape for e in outs] != shapes:
-                continue
-            del pending[i]
-            if outs and all(e.payload >= 0 and math.prod(e.shape) <= SMALL for e in outs):
-                with torch.no_grad():
-                    for t, e in zip(call.outputs, outs, strict=True):
-                        capture.local(t).copy_(self.rec.tensor(e).to(capture.local(t).device))
-                ff.values_served += 1
-                return completed_work(result)
-            break
-        if not ff.active:  # a step computed late: no garbage for the model to compute on
+        if not ff.active:
             with torch.no_grad():
                 for t in call.outputs:
                     capture.local(t).zero_()
