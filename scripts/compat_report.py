@@ -82,8 +82,20 @@ def results_of(xml: Path, run: str) -> list[Result]:
     return out
 
 
-def excerpt(text: str, head: int = 30, tail: int = 30) -> str:
-    lines = text.splitlines()
+def scrub(text: str) -> str:
+    """The text without this machine's paths: the checkout, pytest's temp folders, Python's."""
+    text = text.replace(str(Path.cwd()), "<repo>")
+    text = re.sub(r"/\S*?/pytest-of-[^/\s]+/pytest-\d+", "<pytest-tmp>", text)
+    for prefix in (sys.base_prefix, os.path.expanduser("~")):
+        if len(prefix) > 1:
+            text = text.replace(prefix, "<python>" if prefix == sys.base_prefix else "~")
+    return text
+
+
+def excerpt(text: str, head: int = 12, tail: int = 30) -> str:
+    """The message's start and the traceback's end, where the error is."""
+    lines = scrub(text).splitlines()
+    lines = [line[:400] + (" ..." if len(line) > 400 else "") for line in lines]
     if len(lines) <= head + tail:
         return "\n".join(lines)
     return "\n".join([*lines[:head], f"... ({len(lines) - head - tail} lines)", *lines[-tail:]])
@@ -96,6 +108,7 @@ def main() -> int:
     ap.add_argument("--results", type=Path, required=True)
     ap.add_argument("--run", type=Path, required=True, help="this run's files, without suffix")
     ap.add_argument("--load", required=True)
+    ap.add_argument("--timeout", type=int, default=300, help="each test process's hang guard, seconds")
     ap.add_argument("--seconds", type=int, required=True)
     ap.add_argument("--exit", type=int, required=True)
     ap.add_argument("args", nargs="*", help="the arguments the script was given after the version")
@@ -107,10 +120,12 @@ def main() -> int:
         "load": a.load,
         "seconds": a.seconds,
         "exit": a.exit,
+        "timeout": a.timeout,
         "commit": git("rev-parse", "--short", "HEAD")
         + ("+uncommitted" if git("status", "--porcelain", "--", "fsdp_replay", "tests") else ""),
     }
-    a.run.with_suffix(".json").write_text(json.dumps(meta) + "\n")
+    if not a.run.with_suffix(".json").exists():  # (a second call for the same run only rewrites the file)
+        a.run.with_suffix(".json").write_text(json.dumps(meta) + "\n")
 
     runs = sorted(p.with_suffix("") for p in (a.work / "runs").glob("*.json"))
     metas = {r.name: json.loads(r.with_suffix(".json").read_text()) for r in runs}
@@ -158,15 +173,21 @@ def main() -> int:
         f"- test extras left out (they do not install next to torch {a.version}): "
         f"{', '.join(x for x in left_out if x) or 'none, all installed'}"
     )
-    w(f"- **{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped**")
+    w(
+        f"- **{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped** "
+        "(failed counts errors in a fixture too)"
+    )
     w("")
-    w("| run | command | commit | date | load average before (1, 5, 15 min) | duration | pytest exit |")
-    w("|---|---|---|---|---|---:|---:|")
+    w(
+        "| run | command | commit | date | load average before (1, 5, 15 min) | duration "
+        "| a test process's time limit | pytest exit |"
+    )
+    w("|---|---|---|---|---|---:|---:|---:|")
     for i, r in enumerate(runs, 1):
         m = metas[r.name]
         w(
             f"| {i} | `{m['command']}` | {m.get('commit', '?')} | {m['date']} | {m['load']} | "
-            f"{m['seconds'] // 60} min {m['seconds'] % 60} s | {m['exit']} |"
+            f"{m['seconds'] // 60} min {m['seconds'] % 60} s | {m.get('timeout', 300)} s | {m['exit']} |"
         )
     w("")
     index = {r.name: i for i, r in enumerate(runs, 1)}
@@ -196,13 +217,13 @@ def main() -> int:
             w("```")
             w("")
     if fixed:
-        w("## Failed in an earlier run, passed after a fix")
+        w("## Failed in an earlier run, passed in a later one")
         w("")
         for (file, name), r in fixed.items():
             w(f"### `{file}::{name}` (failed in run {index[r.run]})")
             w("")
             w("```")
-            w(excerpt(r.message, 15, 15))
+            w(excerpt(r.message, 8, 20))
             w("```")
             w("")
     ops = a.work / "ops.md"

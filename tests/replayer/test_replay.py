@@ -87,6 +87,31 @@ def test_object_collectives_and_receive_buffers_replay_bit_exact_and_a_real_diff
     assert doc["status"] == "bit-exact", out
 
 
+def test_an_all_to_all_records_its_tensors_and_every_rank_replays_bit_exact(tmp_path: Path) -> None:
+    """``alltoall_base_`` names its tensors ``input`` and ``output`` (other c10d ops say
+    ``input_tensor``...): both must be in the trace, or a replay cannot fill the output."""
+    workload = str(REPO / "tests" / "workloads" / "all_to_all.py")
+    rec = tmp_path / "run"
+    run([*CLI, "record", "--out", str(rec), "--", *torchrun_cmd(2, workload)], env=child_env())
+    trace = Trace.open(rec / schema.TRACE_DIR)
+    for r in (0, 1):
+        rt = trace.rank(r)
+        ops, c, t = rt.names("op"), rt.collectives, rt.tensors
+        received = sum(s[r] for s in ([1, 3], [2, 2]))  # the rows the workload sends to rank r
+        seen = 0
+        for i in range(len(c)):
+            if ops[int(c["op"][i])] != "alltoall_base_":
+                continue
+            seen += 1
+            start, count = int(c["tensor_start"][i]), int(c["tensor_count"][i])
+            tensors = {int(t["role"][j]): int(t["nbytes"][j]) for j in range(start, start + count)}
+            assert tensors == {schema.ROLE_INPUT: 4 * 8 * 4, schema.ROLE_OUTPUT: received * 8 * 4}, tensors
+        assert seen == 3
+    for rank in (0, 1):
+        doc, out, _ = replay(rec, rank, check_code=0)
+        assert doc["status"] == "bit-exact", out
+
+
 def _digests(folder: Path) -> dict[str, str]:
     import hashlib
 
