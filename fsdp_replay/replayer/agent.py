@@ -115,7 +115,13 @@ class Replayer:
         self.batch_server: BatchServer | None = None
         if not self.live:
             self.batch_server = BatchServer(
-                self.rec, config.data, self.restore_step, self.to_step, self.reach.batch_content, self.notes
+                self.rec,
+                config.data,
+                self.restore_step,
+                self.to_step,
+                self.reach.batch_content,
+                self.notes,
+                self.record_ended if self.truncated else None,
             )
         self.seq = 0
         self.step = 0

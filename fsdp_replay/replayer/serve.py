@@ -110,8 +110,10 @@ class BatchServer:
         verify_to: int,
         content: Callable[[int], str],  # recorded step -> "bytes" | "zeros"
         notes: list[str],
+        record_ended: Callable[[str], None] | None = None,  # a truncated record: the replay stops
     ) -> None:
         self.rec = rec
+        self.record_ended = record_ended
         self.mode = mode
         self.verify_from = verify_from
         self.verify_to = verify_to
@@ -125,6 +127,20 @@ class BatchServer:
         for n, b in enumerate(rec.batches):
             self.by_loader[int(b["loader"])].append(n)
         self._original: Callable[..., Any] | None = None
+
+    def past_the_end(self, n: int, map_style: bool) -> None:
+        """The program asks for batch ``n``, past the recorded ones: where the record was cut
+        (a killed run) the replay ends there, with what it verified; an iterable dataset of a
+        whole record ended where the recording's did; anything else is a replay defect."""
+        if self.record_ended is not None:
+            self.record_ended(f"before batch {n} (the recording holds {len(self.rec.batches)})")
+        if not map_style:
+            raise StopIteration
+        from fsdp_replay.errors import TraceIncompleteError
+
+        raise TraceIncompleteError(
+            f"the program asks for batch {n}; the recording holds {len(self.rec.batches)}"
+        )
 
     # -- installation ----------------------------------------------------------------------
     def install(self) -> None:
@@ -255,14 +271,10 @@ class ServedIterator(dataloader._BaseDataLoaderIter):
             self._pending.popleft()
             if self._ahead:
                 self._draw()
-        elif n >= len(server.rec.batches) or int(server.rec.batches[n]["loader"]) != self._ordinal:
-            raise StopIteration  # an iterable dataset: it ended where the recording's did
         if n >= len(server.rec.batches):
-            from fsdp_replay.errors import TraceIncompleteError
-
-            raise TraceIncompleteError(
-                f"the program asks for batch {n}; the recording holds {len(server.rec.batches)}"
-            )
+            server.past_the_end(n, self._map_style)
+        if not self._map_style and int(server.rec.batches[n]["loader"]) != self._ordinal:
+            raise StopIteration  # an iterable dataset: it ended where the recording's did
         server.next_batch += 1
         self._num_yielded += 1
         batch = server.batch(n)

@@ -166,6 +166,20 @@ def test_an_agent_that_stopped_recording_is_not_a_divergence(tmp_path: Path) -> 
         assert "complete only through step 1" in proc.stdout
 
 
+def test_a_record_that_ends_between_a_steps_batches_ends_the_replay_there(tmp_path: Path) -> None:
+    """The agent stops before the 6th batch (step 2's second micro-batch): the replay goes
+    through step 1, verifies what step 2 recorded, and stops where the program asks for the
+    batch that was never recorded, instead of failing inside the program's data loop."""
+    rec, _ = record(tmp_path, 2, "--steps", "4", *SMALL, FSDP_REPLAY_INJECT_FAULT="batch:6")
+    trace = Trace.open(rec / schema.TRACE_DIR)
+    assert trace.rank(0).completeness["through_step"] == 1, trace.rank(0).completeness
+    assert len(trace.rank(0).batches["index"]) == 5
+    code, text, doc = replay(rec, 0)
+    assert "DIVERGED" not in text and "Traceback" not in text, text[-3000:]
+    assert code == 0 and doc["status"] == "bit-exact" and doc["verified_steps"] == [0, 1], text[-3000:]
+    assert "ends before batch 5 (the recording holds 5)" in text, text[-3000:]
+
+
 def test_a_lost_spool_record_cuts_the_record_instead_of_shifting_it(recorded: Path, tmp_path: Path) -> None:
     """A collective's record is destroyed in the spool: collect says so, the replay stops before
     its step, desync and diff see no disagreement."""
