@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import random
 import re
 import resource
 import shlex
@@ -57,6 +58,13 @@ def quantiles(xs: list[float]) -> tuple[float, float, float]:
         return xs[0], xs[0], xs[0]
     q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
     return q1, q2, q3
+
+
+def bootstrap_median(xs: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high): the median and its 95% percentile-bootstrap interval."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(reps))
+    return statistics.median(xs), meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
 def cpu_times() -> tuple[float, float]:

@@ -173,6 +173,12 @@ class RecordConfig:
     max_pending_bytes: int = 1 << 30
     """Payload bytes waiting for the writer (or, with ``window:N``, held in memory) beyond which
     new payloads are dropped (and counted)."""
+    payload_ring_bytes: int = 256 << 20
+    """CUDA: the size of each device's payload ring (``agent/payload_ring.py``): a device buffer
+    and a pinned host buffer of this many bytes through which stored device payloads reach the
+    writer off the training stream (one device-to-device copy on it, the copy to the host on a
+    side stream). A payload that finds no room is dropped and counted (``ring_full_drops``), never
+    waited for; 0: no ring, device payloads are copied to pinned memory on the training stream."""
     reserve_bytes: int = 16 << 20
     """Disk space held back per rank for metadata, released when payloads fill the disk."""
     tape: bool = True
@@ -237,6 +243,7 @@ class RecordConfig:
                 "op_fingerprints": _step_set,
                 "snapshot_every": _non_negative,
                 "reserve_bytes": _non_negative,
+                "payload_ring_bytes": _non_negative,
                 "alloc_history": parse_alloc_history,
                 "cupti": _cupti_policy,
             },
@@ -256,6 +263,7 @@ class RecordConfig:
             ENV_PREFIX + "SYNC_STEPS": "1" if self.sync_steps else "0",
             ENV_PREFIX + "MAX_PENDING_BYTES": str(self.max_pending_bytes),
             ENV_PREFIX + "RESERVE_BYTES": str(self.reserve_bytes),
+            ENV_PREFIX + "PAYLOAD_RING_BYTES": str(self.payload_ring_bytes),
             ENV_PREFIX + "TAPE": "1" if self.tape else "0",
             ENV_PREFIX + "TAPE_OPS": self.tape_ops,
             ENV_PREFIX + "ALLOC_HISTORY": str(self.alloc_history),

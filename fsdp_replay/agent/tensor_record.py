@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -11,6 +11,7 @@ from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.fingerprint import fingerprint, nbytes_of
 from fsdp_replay.agent.flight import FlightRecorder
+from fsdp_replay.agent.payload_ring import PayloadRings, Staged
 from fsdp_replay.agent.writer import BlobRef
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.events import Tensor
@@ -69,6 +70,21 @@ class TensorRecorder:
         self.flight = flight
         # not with `none` (the user keeps no bytes) nor a window (a healthy run writes none)
         self.small_always = not config.payloads.empty and not config.payloads.window
+        self.rings = PayloadRings(config.payload_ring_bytes)
+
+    def _stage(self, t: torch.Tensor, nbytes: int) -> tuple[Staged, Any] | Literal[False] | None:
+        """A device tensor's bytes on their way to the host through its device's ring
+        (``payload_ring.py``); None: no ring (the plain copy); False: the ring is full."""
+        if t.device.type != "cuda":
+            return None
+        ring = self.rings.ring(t.device)
+        if ring is None:
+            return None
+        try:
+            staged = ring.stage(t, nbytes)
+        except RuntimeError:  # a dtype the byte ring cannot view: the plain copy
+            return None
+        return False if staged is None else staged
 
     def record(
         self,
@@ -98,7 +114,11 @@ class TensorRecorder:
             elif w.pending_bytes + nbytes > self.max_pending_bytes:
                 w.count_dropped(nbytes)
             else:
-                blob = BlobRef()
-                copy, ready = _copy(t)
-                w.blob(blob, copy, fp, nbytes, algo, ready)
+                staged = self._stage(t, nbytes)
+                if staged is False:  # the device's ring has no room now: dropped, never waited for
+                    w.count_dropped(nbytes, ring_full=True)
+                else:
+                    blob = BlobRef()
+                    copy, ready = staged or _copy(t)
+                    w.blob(blob, copy, fp, nbytes, algo, ready)
         return entry(role, t, fp, algo, nf, blob)

@@ -67,11 +67,18 @@ class Counters:
         self.dedup_bytes_saved = 0
         self.blobs_dropped = 0
         self.blob_bytes_dropped = 0
+        self.ring_full_drops = 0  # of blobs_dropped: a device payload ring had no room
+        self.ring_full_bytes = 0
         self.events_dropped = 0
         self.write_errors = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
+
+
+def _host_tensor(data: Any) -> Any:
+    """A CPU tensor, or a ring slot's host view (``payload_ring.Staged``)."""
+    return getattr(data, "host", data)
 
 
 class BackgroundWriter:
@@ -307,12 +314,16 @@ class BackgroundWriter:
                 self.counters.blobs_dropped += 1
                 self.counters.blob_bytes_dropped += nbytes
                 return
-            buf = data if isinstance(data, bytes | bytearray | memoryview) else host_buffer(data)
+            buf = (
+                data if isinstance(data, bytes | bytearray | memoryview) else host_buffer(_host_tensor(data))
+            )
             if self._write_raw(ref, buf):
                 self._dedup[key] = ref.id
         finally:
             with self._lock:
                 self.pending_bytes -= nbytes
+            if hasattr(data, "release"):  # a device payload ring's slot (payload_ring.Staged)
+                data.release()
 
     def _write_raw(self, ref: BlobRef, raw: Any) -> bool:
         nbytes = memoryview(raw).nbytes
@@ -348,8 +359,12 @@ class BackgroundWriter:
         self.counters.blobs_dropped += 1
         self.counters.blob_bytes_dropped += nbytes
 
-    def count_dropped(self, nbytes: int) -> None:
-        """Called by the agent for payloads it did not even enqueue (memory bound reached)."""
+    def count_dropped(self, nbytes: int, ring_full: bool = False) -> None:
+        """Called by the agent for payloads it did not even enqueue (memory bound reached, or
+        with ``ring_full`` the device payload ring had no room)."""
         with self._lock:
             self.counters.blobs_dropped += 1
             self.counters.blob_bytes_dropped += nbytes
+            if ring_full:
+                self.counters.ring_full_drops += 1
+                self.counters.ring_full_bytes += nbytes

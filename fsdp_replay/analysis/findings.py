@@ -185,13 +185,19 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
         )
     counters = (end or {}).get("counters") or {}
     if counters.get("blobs_dropped"):
+        ring = int(counters.get("ring_full_drops", 0))
+        why = "disk full or the memory bound"
+        if ring:
+            why = f"{ring} of them because the GPU payload ring was full; the others: {why}"
         out.append(
             finding(
                 "payloads_dropped",
                 WARNING,
-                f"rank {rank}: {counters['blobs_dropped']} payloads were dropped while recording (disk full or "
-                "the memory bound); a replay of the steps that need them stops there and says so",
-                "record again with a larger --max-pending-bytes, or fewer --payloads / --tape-payloads steps",
+                f"rank {rank}: {counters['blobs_dropped']} payloads were dropped while recording ({why}); "
+                "a replay of the steps that need them stops there and says so",
+                "record again with a larger --max-pending-bytes"
+                + (" and --payload-ring-bytes" if ring else "")
+                + ", or fewer --payloads / --tape-payloads steps",
                 rank=rank,
             )
         )

@@ -68,6 +68,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         sync_steps=args.sync_steps,
         max_pending_bytes=args.max_pending_bytes,
         reserve_bytes=args.reserve_bytes,
+        payload_ring_bytes=args.payload_ring_bytes,
         tape=args.tape,
         tape_ops=args.tape_ops,
         tape_payloads=StepSet.parse(args.tape_payloads) if args.tape_payloads else None,
@@ -269,6 +270,15 @@ def register(sub: Any) -> None:
         default=defaults.max_pending_bytes,
         help="payload bytes each rank lets wait for its writer (with --payloads window:N: holds in memory); "
         "payloads beyond it are dropped and counted (the tape's results on a large model can need several GiB a step)",
+    )
+    env_option(
+        r,
+        "--payload-ring-bytes",
+        kind="int",
+        default=defaults.payload_ring_bytes,
+        help="CUDA: bytes of each GPU's payload ring (a device and a pinned host buffer): stored device "
+        "payloads reach the writer off the training stream; one that finds no room is dropped and counted; "
+        "0: copy them on the training stream",
     )
     env_option(
         r,

@@ -273,6 +273,11 @@ def print_collect(report: Any) -> None:
         if r.error is not None:
             print(f"  rank {r.rank}: NOT COLLECTED: {r.error}", file=sys.stderr)
             continue
+        if r.rebuilt:
+            print(
+                f"  rank {r.rank}: collected anew from its spool (the trace's copy: {r.rebuilt})",
+                file=sys.stderr,
+            )
         for d in r.damage:
             print(f"  rank {r.rank}: DAMAGED spool, skipped: {d}", file=sys.stderr)
         c = r.completeness

@@ -164,7 +164,7 @@ class Sidecar:
             self._follow(final=not self.discovery.processes)
             self._probe_state()
             self._log_summary()
-            self.shipper.ship(final=not self.discovery.processes)
+            self._ship(final=not self.discovery.processes)
         finally:
             if self.probe is not None:
                 self.probe.close()  # detaches every probe point (~0.1 s each on this kernel)
@@ -197,7 +197,15 @@ class Sidecar:
         self._forget_exited(now)
         self._follow(final=False)
         if live and (self._hang_to_capture() or self.shipper.due(now)):
-            self.shipper.ship(final=False, now=now)
+            self._ship(final=False, now=now)
+
+    def _ship(self, *, final: bool, now: float | None = None) -> None:
+        if self.shipper.ship(final=final, now=now):
+            with self.state.lock:
+                for rank, held in self.shipper.collected.items():
+                    rs = self.state.ranks.get(rank)
+                    if rs is not None:
+                        rs.collected_bytes = held
 
     def _track(self, proc: TrainingProcess) -> None:
         if self.probe is None:

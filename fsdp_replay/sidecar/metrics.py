@@ -132,6 +132,21 @@ class SidecarCollector(Collector):
             "Rank spools deleted after the store's copy read back whole.",
             value=s.spools_deleted,
         )
+        yield CounterMetricFamily(
+            _name("store", "rows_written"),
+            "Rows the collections wrote into the trace's column arrays (appended, or rewritten after a late row).",
+            value=s.rows_written,
+        )
+        yield CounterMetricFamily(
+            _name("store", "blob_written_bytes"),
+            "Payload bytes the collections wrote into the store as new blobs (before compression).",
+            value=s.blob_bytes_written,
+        )
+        yield CounterMetricFamily(
+            _name("store", "rank_rebuilds"),
+            "Rank groups collected again from their spool's start: the store's copy could not be resumed.",
+            value=s.rebuilds,
+        )
 
     # -- sidecar ------------------------------------------------------------------------------
     def _sidecar(self) -> Iterable[Metric]:

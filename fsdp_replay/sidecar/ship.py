@@ -1,14 +1,17 @@
-"""The sidecar's collection: the agents' spools become the Zarr trace at the store.
+"""The sidecar's collection: the agents' spools become the Zarr trace at the store, as they grow.
 
-``Shipper.ship()`` runs the same collector as ``fsdp-replay collect`` (``trace/collect.py``) from
+``Shipper.ship()`` runs the collector of ``fsdp-replay collect`` (``trace/collect.py``) from
 ``OUT/spool`` into the store: ``OUT/trace.zarr`` by default, or any fsspec URL (``s3://bucket/
-prefix``). A collection rewrites each rank group whole and reuses the payload blobs the store
-already holds whole, so running it again, after a kill of the sidecar or a store outage,
-duplicates nothing. The daemon ships every ``collect_interval_s`` while trainers run (0: only at
-the end), at once when a rank newly reports being stuck in a collective (``main.py``: the
-store's trace then shows a hung, not yet killed, job to ``fsdp-replay desync``), and once more
-when they have ended. A collection rewrites each rank group in place: a reader that opens one
-meanwhile is told it is unfinished (exit 3) and reads it again after the collection
+prefix``). One ``Collector`` is kept from one collection to the next: each reads what the spools
+gained since the last (it never reads a record twice), writes the new payload blobs and appends
+the new rows to each rank's columns (``trace/rank_store.py``), so a collection costs what is new,
+not the history. Where each rank's spool was read up to is in the store with the rows, so a
+sidecar killed at any moment, or a store outage, loses and duplicates nothing: the next
+collection, in this process or a new one, resumes from the store. The daemon ships every
+``collect_interval_s`` while trainers run (0: only at the end), at once when a rank newly reports
+being stuck in a collective (``main.py``: the store's trace then shows a hung, not yet killed, job
+to ``fsdp-replay desync``), and once more when they have ended. While a collection writes a rank's
+new rows, a reader that opens that rank is told it is unfinished (exit 3) and reads it again after
 (``fsdp_replay_store_last_collection_timestamp_seconds`` moves).
 
 A rank's spool is deleted only after its collection succeeded, its process ended cleanly, no
@@ -43,6 +46,10 @@ class ShipStats:
     spools_deleted: int = 0
     ranks_held: int = 0
     last_error: str = ""
+    rows_written: int = 0
+    blobs_written: int = 0
+    blob_bytes_written: int = 0
+    rebuilds: int = 0
 
 
 class Shipper:
@@ -65,6 +72,9 @@ class Shipper:
         self.lock = lock
         self.clock = clock
         self._last_try: float | None = None
+        self._collector: Any = None  # trace.collect.Collector, kept between collections
+        self.collected: dict[int, int] = {}
+        """Per rank, the spool bytes the store holds (the rest is the backlog)."""
 
     def due(self, now: float) -> bool:
         """While trainers run: every ``interval_s`` (never when 0)."""
@@ -75,15 +85,19 @@ class Shipper:
     def ship(self, *, final: bool, now: float | None = None) -> bool:
         """Collect the spools into the store; with ``final`` (no trainer runs) delete the spools
         the store holds whole. Never raises: a failure is logged and counted."""
-        from fsdp_replay.trace.collect import collect
+        from fsdp_replay.trace.collect import Collector, collect_lock
 
         self._last_try = time.monotonic() if now is None else now
         if not self.spool_root.is_dir() or not any(self.spool_root.glob("rank-*")):
             return False
         t0 = time.monotonic()
         try:
-            report = collect(self.spool_root, self.url, run=self._run_info())
+            with collect_lock(self.spool_root):
+                if self._collector is None:
+                    self._collector = Collector(self.spool_root, self.url)
+                report = self._collector.collect(final=final, run=self._run_info())
         except Exception as e:  # the store down, the disk full, a damaged trace there: keep the spools
+            self._collector = None  # it dropped its state: the next one resumes from the store
             with self.lock:
                 self.stats.failures += 1
                 self.stats.last_error = f"{type(e).__name__}: {e}"[:300]
@@ -95,11 +109,26 @@ class Shipper:
             self.stats.collections += 1
             self.stats.last_success_s = self.clock()
             self.stats.last_seconds = time.monotonic() - t0
+            for r in report.ranks:
+                self.stats.rows_written += r.rows_written
+                self.stats.blobs_written += r.blobs_written
+                self.stats.blob_bytes_written += r.blob_bytes
+                self.stats.rebuilds += bool(r.rebuilt)
+                if r.error is None:
+                    self.collected[r.rank] = r.collected_bytes
+        for r in report.ranks:
+            if r.rebuilt:
+                log.warning(
+                    "rank %d: the store's copy could not be resumed (%s): collected anew", r.rank, r.rebuilt
+                )
         log.info(
             "trace collected into %s (%d ranks, %.1f s)", self.url, len(report.ranks), time.monotonic() - t0
         )
-        if final and not self.keep_spools:
-            self._delete_held(report)
+        if final:
+            self._collector.close()  # a later collection (trainers back) resumes from the store
+            self._collector = None
+            if not self.keep_spools:
+                self._delete_held(report)
         return True
 
     def _run_info(self) -> dict[str, Any] | None:

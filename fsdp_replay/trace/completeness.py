@@ -22,11 +22,14 @@ format 3, ``of_rank`` derives the same from the rank's end event and damage list
 
 from __future__ import annotations
 
+from bisect import bisect_right, insort
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from fsdp_replay.trace import schema
+from fsdp_replay.trace.runs import Runs
 
 
 @dataclass(slots=True)
@@ -60,13 +63,134 @@ class Tracker:
         self.cut(step - 1 if isinstance(step, int) else self.last_step_done, reason, lost=False)
 
 
-def _first_gap(values: Sequence[int]) -> int | None:
-    """The smallest non-negative integer missing from ``values`` below their maximum."""
-    present = sorted(set(values))
-    for expected, got in enumerate(present):
-        if got != expected:
-            return expected
-    return None
+@dataclass(slots=True)
+class Progress:
+    """What ``assess`` needs of a rank's collected rows, kept as the rows arrive (in any order),
+    so that a collector running again and again over a growing spool never goes over the whole
+    history: each numbering as ``Runs`` (its first gap, and the largest step below it)."""
+
+    steps: Runs = field(default_factory=Runs)
+    step_colls: list[tuple[int, int]] = field(default_factory=list)  # (step, colls), sorted
+    coll_starts: list[int] = field(default_factory=list)  # each step's first sequence number
+    colls_total: int = 0
+    colls: Runs = field(default_factory=Runs)  # sequence numbers, tagged with their step
+    loaders: dict[int, Runs] = field(default_factory=dict)  # batch indices, tagged with their step
+    loader_first_step: dict[int, int] = field(default_factory=dict)
+    loader_ids: Runs = field(default_factory=Runs)
+    tape: Runs = field(default_factory=Runs)  # tape call numbers, tagged with their step
+    modules: dict[int, int | Runs] = field(default_factory=dict)  # step -> idx 0..k-1, or Runs
+    modules_gappy: set[int] = field(default_factory=set)
+    n_steps: int = 0
+
+    def step(self, step: int, colls: int) -> None:
+        self.steps.add(step)
+        self.n_steps += 1
+        pair = (step, colls)
+        if not self.step_colls or pair >= self.step_colls[-1]:
+            self.coll_starts.append(self.colls_total)
+            self.step_colls.append(pair)
+        else:  # out of order: rare; the starts after it move
+            insort(self.step_colls, pair)
+            self.coll_starts = list(accumulate((c for _, c in self.step_colls[:-1]), initial=0))
+        self.colls_total += colls
+
+    def coll(self, seq: int, step: int) -> None:
+        self.colls.add(seq, step)
+
+    def batch(self, loader: int, index: int, step: int) -> None:
+        runs = self.loaders.get(loader)
+        if runs is None:
+            runs = self.loaders[loader] = Runs()
+            self.loader_ids.add(loader)
+        runs.add(index, step)
+        first = self.loader_first_step.get(loader)
+        self.loader_first_step[loader] = step if first is None else min(first, step)
+
+    def module(self, step: int, idx: int) -> None:
+        seen = self.modules.get(step, 0)
+        if isinstance(seen, int):
+            if idx == seen:
+                self.modules[step] = seen + 1
+                return
+            if 0 <= idx < seen:
+                return
+            runs = Runs()
+            for i in range(seen):
+                runs.add(i)
+            seen = self.modules[step] = runs
+        seen.add(idx)
+        if seen.first_gap() is None:
+            self.modules_gappy.discard(step)
+        else:
+            self.modules_gappy.add(step)
+
+    def tape_call(self, seq: int, step: int) -> None:
+        self.tape.add(seq, step)
+
+    def assess(self, tracker: Tracker, end: Mapping[str, Any] | None, attempts: int) -> dict[str, Any]:
+        """The rank's completeness (``tracker`` gets the cuts: pass a copy to keep yours)."""
+        if end is None:
+            tracker.cut(
+                tracker.last_step_done, "the process ended without closing its spool (killed?)", lost=False
+            )
+        else:
+            ended = _abnormal_end(end)
+            if ended:
+                tracker.cut(tracker.last_step_done, ended, lost=False)
+        # A restarted rank (attempts > 1) numbers its steps and collectives again from where it
+        # restarted: gaps between attempts are not losses, so only the incidents above count.
+        if attempts <= 1:
+            gap = self.steps.first_gap()
+            if gap is not None:
+                tracker.cut(gap - 1, f"the step event of step {gap} is missing")
+            elif end is not None and int(end.get("steps", self.n_steps)) > self.n_steps:
+                tracker.cut(
+                    self.n_steps - 1, f"the process made {end['steps']} steps; {self.n_steps} were recorded"
+                )
+            self._collective_gaps(tracker)
+            self._batch_gaps(tracker)
+            gap = self.tape.first_gap()
+            if gap is not None:  # a call of the nondeterministic-kernel tape is missing
+                before = self.tape.tag_below(gap)
+                tracker.cut((before or 0) - 1, f"call #{gap} of the nondeterministic-kernel tape is missing")
+            if self.modules_gappy:
+                step = min(self.modules_gappy)
+                tracker.cut(step - 1, f"a module fingerprint of step {step} is missing")
+        last = self.steps.max()
+        last = -1 if last is None else last
+        through = last if tracker.limit is None else min(tracker.limit, last)
+        return {
+            "complete": tracker.limit is None,
+            "through_step": through,
+            "prefix": not tracker.lost,
+            "reasons": tracker.reasons,
+        }
+
+    def _collective_gaps(self, tracker: Tracker) -> None:
+        # Each step event says how many collectives its step issued: together they give the step
+        # every sequence number belongs to, so a missing one cuts the record exactly before its step.
+        missing = self.colls.first_missing()
+        if missing < self.colls_total:
+            step = self.step_colls[bisect_right(self.coll_starts, missing) - 1][0]
+            tracker.cut(step - 1, f"collective #{missing} (step {step}) is missing")
+            return
+        gap = self.colls.first_gap()
+        if gap is not None and gap >= self.colls_total:  # after the last step: bounded by its neighbour
+            before = self.colls.tag_below(gap)
+            tracker.cut((before or 0) - 1, f"collective #{gap} is missing")
+
+    def _batch_gaps(self, tracker: Tracker) -> None:
+        for loader in sorted(self.loaders):
+            runs = self.loaders[loader]
+            gap = runs.first_gap()
+            if gap is not None:
+                before = runs.tag_below(gap)
+                tracker.cut((before or 0) - 1, f"batch {gap} of loader {loader} is missing")
+                return
+        gap = self.loader_ids.first_gap()
+        if gap is not None:  # a whole iterator is missing; it began after the one before it began
+            lower = self.loader_first_step[gap - 1] if gap > 0 else 0
+            tracker.cut(lower - 1, f"the batches of loader {gap} are missing")
 
 
 def assess(
@@ -82,49 +206,21 @@ def assess(
     attempts: int,
     tape: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
-    """The rank's completeness, from the tracker and the gaps in what was collected.
-
-    ``batches`` are (loader, index, step), ``module_fps`` (step, idx) and ``tape`` (seq, step) in
-    any order.
-    """
-    n_steps = len(steps)
-    if end is None:
-        tracker.cut(
-            tracker.last_step_done, "the process ended without closing its spool (killed?)", lost=False
-        )
-    else:
-        ended = _abnormal_end(end)
-        if ended:
-            tracker.cut(tracker.last_step_done, ended, lost=False)
-    # A restarted rank (attempts > 1) numbers its steps and collectives again from where it
-    # restarted: gaps between attempts are not losses, so only the incidents above count.
-    if attempts <= 1:
-        gap = _first_gap(steps)
-        if gap is not None:
-            tracker.cut(gap - 1, f"the step event of step {gap} is missing")
-        elif end is not None and int(end.get("steps", n_steps)) > n_steps:
-            tracker.cut(n_steps - 1, f"the process made {end['steps']} steps; {n_steps} were recorded")
-        _collective_gaps(tracker, steps, step_colls, coll_seqs, coll_steps)
-        _batch_gaps(tracker, batches)
-        gap = _first_gap([seq for seq, _ in tape])
-        if gap is not None:  # a call of the nondeterministic-kernel tape is missing
-            before = max((st for sq, st in tape if sq < gap), default=0)
-            tracker.cut(before - 1, f"call #{gap} of the nondeterministic-kernel tape is missing")
-        by_step: dict[int, list[int]] = {}
-        for step, idx in module_fps:
-            by_step.setdefault(step, []).append(idx)
-        for step in sorted(by_step):
-            if _first_gap(by_step[step]) is not None:
-                tracker.cut(step - 1, f"a module fingerprint of step {step} is missing")
-                break
-    last = max(steps) if steps else -1
-    through = last if tracker.limit is None else min(tracker.limit, last)
-    return {
-        "complete": tracker.limit is None,
-        "through_step": through,
-        "prefix": not tracker.lost,
-        "reasons": tracker.reasons,
-    }
+    """The rank's completeness, from the tracker and the gaps in what was collected: ``Progress``
+    fed with whole columns. ``batches`` are (loader, index, step), ``module_fps`` (step, idx) and
+    ``tape`` (seq, step) in any order."""
+    p = Progress()
+    for step, colls in zip(steps, step_colls, strict=True):
+        p.step(int(step), int(colls))
+    for seq, step in zip(coll_seqs, coll_steps, strict=True):
+        p.coll(int(seq), int(step))
+    for loader, index, step in batches:
+        p.batch(int(loader), int(index), int(step))
+    for step, idx in module_fps:
+        p.module(int(step), int(idx))
+    for seq, step in tape:
+        p.tape_call(int(seq), int(step))
+    return p.assess(tracker, end, attempts)
 
 
 def _abnormal_end(end: Mapping[str, Any]) -> str | None:
@@ -140,46 +236,6 @@ def _abnormal_end(end: Mapping[str, Any]) -> str | None:
             "which never completed"
         )
     return None
-
-
-def _collective_gaps(
-    tracker: Tracker,
-    steps: Sequence[int],
-    step_colls: Sequence[int],
-    coll_seqs: Sequence[int],
-    coll_steps: Sequence[int],
-) -> None:
-    present = set(coll_seqs)
-    # Each step event says how many collectives its step issued: together they give the step
-    # every sequence number belongs to, so a missing one cuts the record exactly before its step.
-    start = 0
-    for step, count in sorted(zip(steps, step_colls, strict=True)):
-        missing = next((s for s in range(start, start + count) if s not in present), None)
-        if missing is not None:
-            tracker.cut(step - 1, f"collective #{missing} (step {step}) is missing")
-            return
-        start += count
-    gap = _first_gap(coll_seqs)
-    if gap is not None and gap >= start:  # after the last recorded step: bounded by its neighbour
-        before = max((st for sq, st in zip(coll_seqs, coll_steps, strict=True) if sq < gap), default=0)
-        tracker.cut(before - 1, f"collective #{gap} is missing")
-
-
-def _batch_gaps(tracker: Tracker, batches: Sequence[tuple[int, int, int]]) -> None:
-    loaders: dict[int, list[tuple[int, int]]] = {}
-    for loader, index, step in batches:
-        loaders.setdefault(loader, []).append((index, step))
-    for loader in sorted(loaders):
-        rows = sorted(loaders[loader])
-        gap = _first_gap([i for i, _ in rows])
-        if gap is not None:
-            before = max((st for i, st in rows if i < gap), default=0)
-            tracker.cut(before - 1, f"batch {gap} of loader {loader} is missing")
-            return
-    gap = _first_gap(list(loaders))
-    if gap is not None:  # a whole iterator is missing; it began after the one before it began
-        lower = min(st for _, st in loaders[gap - 1]) if gap > 0 else 0
-        tracker.cut(lower - 1, f"the batches of loader {gap} are missing")
 
 
 def of_rank(attrs: Mapping[str, Any], n_steps: int) -> dict[str, Any]:

@@ -42,9 +42,19 @@ class SpoolFollower:
     to ``report`` (a ``spool.SegmentReport``, as ``read_segment`` fills it). The folder may not
     exist yet. A segment of another format version raises ``TraceVersionError`` (as
     ``read_segment`` does), and the follower then stays at that segment.
+
+    ``start=(index, offset)`` resumes where an earlier reader stopped (``position``): segments
+    before ``index`` are taken as read, and segment ``index`` is read from byte ``offset`` (0: from
+    its header; otherwise a record boundary after it).
     """
 
-    def __init__(self, rank_dir: str | os.PathLike[str], report: SegmentReport | None = None) -> None:
+    def __init__(
+        self,
+        rank_dir: str | os.PathLike[str],
+        report: SegmentReport | None = None,
+        *,
+        start: tuple[int, int] | None = None,
+    ) -> None:
         self.rank_dir = Path(rank_dir)
         self.report = report if report is not None else SegmentReport()
         self.bytes_read = 0
@@ -54,6 +64,9 @@ class SpoolFollower:
         self.segments_done = 0
         """Segments read to their end."""
         self._done_index = -1  # the last segment index read to its end
+        self._start = start if start is not None and start[1] > 0 else None
+        if start is not None:
+            self._done_index = start[0] - 1
         self._index = -1  # the segment being read (-1: none open)
         self._path: Path | None = None
         self._fd = -1
@@ -66,9 +79,20 @@ class SpoolFollower:
         """The segment being read, if any."""
         return self._path
 
-    def poll(self) -> list[Record]:
-        """The records appended since the last poll (possibly spanning several segments)."""
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(segment index, byte offset)`` up to which the spool has been read: what ``start``
+        takes to go on from here. Offset 0 means "from the segment's header on"."""
+        if self._path is None:
+            return self._done_index + 1, 0
+        return self._index, self._base
+
+    def poll(self, *, segments: int | None = None) -> list[Record]:
+        """The records appended since the last poll (possibly spanning several segments; with
+        ``segments``, at most that many are finished before it returns, so a reader of a long
+        spool holds one segment's records at a time: poll again until it returns nothing)."""
         out: list[Record] = []
+        finished = 0
         while True:
             later = self._later_segments()
             if self._path is None:
@@ -84,6 +108,9 @@ class SpoolFollower:
             # and an incomplete tail is now damage.
             out += self._read(final=True)
             self._close(done=True)
+            finished += 1
+            if segments is not None and finished >= segments and out:
+                return out
 
     def finish(self) -> list[Record]:
         """The writer is gone for good: read the rest of the current segment; its incomplete tail is
@@ -139,6 +166,9 @@ class SpoolFollower:
             return False
         self._index, self._path = index, path
         self._base, self._buf, self._body = 0, b"", False
+        if self._start is not None and self._start[0] == index:
+            self._base, self._body = self._start[1], True  # past the header: a record boundary
+            self._start = None
         return True
 
     def _close(self, *, done: bool) -> None:

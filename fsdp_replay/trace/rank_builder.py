@@ -1,8 +1,11 @@
-"""One rank's spool events -> its columns, attributes and array list in the trace.
+"""One rank's spool events -> rows of its tables and its attributes.
 
 The collector (``collect.py``) reads a rank's records in spool order and hands them here: events
 become rows of the rank's tables (``schema.TABLES``), blobs are stored once under their digest
 (reused only when finished and matching it), and ``completeness`` notes what breaks the record.
+Rows are held here only until the collector flushes them into the store (``rank_store.py``):
+``base[table]`` rows are there already, and row numbers that rows refer to (a tensor's collective,
+a payload row) count them, so a collection builds on what an earlier one wrote.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from fsdp_replay.trace.schema import (
     blob_path,
     digest_of,
 )
-from fsdp_replay.trace.store import BLOB_CHUNK, COLUMN_CHUNK, blob_codecs, column_codecs
+from fsdp_replay.trace.store import BLOB_CHUNK, DEFAULT_BLOB_CODEC, blob_codecs
+
+HELD_TABLES = ("tensors", "batch_tensors", "tape_tensors", "rng")
+"""The tables whose ``payload`` column may name a payload the flight recorder held."""
 
 
 class Names:
@@ -48,12 +54,12 @@ class Names:
 @dataclass(slots=True)
 class RankReport:
     rank: int
-    records: int = 0
+    records: int = 0  # read from the spool by this collection
     collectives: int = 0
     steps: int = 0
     batches: int = 0
-    blobs_written: int = 0
-    blobs_shared: int = 0
+    blobs_written: int = 0  # by this collection (and their bytes)
+    blobs_shared: int = 0  # new to this rank, already in the store
     blob_bytes: int = 0
     payload_missing: int = 0
     payloads_dropped: int = 0  # by the agent (disk full, memory bound), from its end counters
@@ -61,6 +67,9 @@ class RankReport:
     clean_end: bool = False
     error: str | None = None  # the rank could not be collected at all (its group was not written)
     completeness: dict[str, Any] = field(default_factory=dict)
+    rows_written: int = 0  # rows this collection handed to the store (appended or rewritten)
+    collected_bytes: int = 0  # spool bytes the trace holds (read up to), of the rank's segments now
+    rebuilt: str = ""  # why a group in the store was not taken over, but built again from the spool
 
 
 @dataclass(slots=True)
@@ -77,13 +86,32 @@ class CollectReport:
 class RankBuilder:
     """Accumulates one rank's events into columns; blobs go straight to the store."""
 
-    def __init__(self, root: zarr.Group, rank: int, report: RankReport, verified: set[str]) -> None:
+    def __init__(
+        self,
+        root: zarr.Group,
+        rank: int,
+        report: RankReport,
+        verified: set[str],
+        *,
+        blob_codec: str = DEFAULT_BLOB_CODEC,
+    ) -> None:
         self.root = root
         self.rank = rank
         self.report = report
+        self.blob_codec = blob_codec
         self.verified = verified  # blob digests written or checked by this collect (all ranks)
         self.tracker = completeness.Tracker()
+        self.progress = completeness.Progress()
+        # Rows not in the store yet; base: rows that are (flushed by rank_store.RankStore).
         self.cols: dict[str, dict[str, list[Any]]] = {t: {c: [] for c in cs} for t, cs in TABLES.items()}
+        self.base: dict[str, int] = dict.fromkeys(TABLES, 0)
+        # The first row of the current process attempt in the tables whose rows are sorted within
+        # an attempt, or hold the flight recorder's references (resolved when it ends).
+        self.attempt_rows: dict[str, int] = dict.fromkeys(TABLES, 0)
+        self.held = False  # rows of this attempt refer to payloads the flight recorder held
+        self.resolve_jobs: list[tuple[dict[str, int], dict[int, int]]] = []  # for rows in the store
+        self.new_blob_ids: list[tuple[int, int, int]] = []  # (attempt, spool blob id, payload row)
+        self.pending_damage: list[str] = []  # damage after the last record read (no record after it yet)
         self.names = {k: Names() for k in ("op", "dtype", "reduce_op", "algo", "device", "module")}
         self.names["alloc_site"] = Names()  # allocs.site (format 4)
         self.names["kernel"] = Names()  # kernels.name (format 4)
@@ -106,10 +134,11 @@ class RankBuilder:
             "ooms": [],
             "flight_dumps": [],  # format 3 readers ignore both (docs/trace-format.md)
             "flight_unwritten": 0,
+            "damage": [],  # every damaged spool record skipped, of every collection
+            "payload_missing": 0,
         }
         self.attrs[schema.CUPTI_ATTR] = {"states": [], "clock": []}
         self._kernel_codes: dict[int, int] = {}  # a process's kernel-name code (per attempt) -> ours
-        self._cupti_attempts: dict[str, list[int]] = {"kernels": [], "copies": []}
         self._structures: dict[str, int] = {}
         self.blob_payload: dict[int, int] = {}  # spool blob id (per attempt) -> payload row
         self._digests: dict[str, int] = {}
@@ -128,7 +157,7 @@ class RankBuilder:
                     shape=(raw.nbytes,),
                     dtype="uint8",
                     chunks=(min(BLOB_CHUNK, max(raw.nbytes, 1)),),
-                    compressors=blob_codecs(),
+                    compressors=blob_codecs(self.blob_codec),
                     fill_value=0,
                     overwrite=True,
                 )
@@ -140,13 +169,22 @@ class RankBuilder:
                 self.verified.add(digest)
                 self.report.blobs_written += 1
                 self.report.blob_bytes += raw.nbytes
-            row = len(self.cols["payloads"]["nbytes"])
+            row = self.n("payloads")
             hi, lo = int(digest[:16], 16), int(digest[16:], 16)
             self.cols["payloads"]["digest_hi"].append(hi)
             self.cols["payloads"]["digest_lo"].append(lo)
             self.cols["payloads"]["nbytes"].append(raw.nbytes)
             self._digests[digest] = row
         self.blob_payload[blob_id] = row
+        self.new_blob_ids.append((max(0, int(self.attrs["attempts"]) - 1), blob_id, row))
+
+    def n(self, table: str) -> int:
+        """Rows of ``table`` so far: in the store and held here."""
+        return self.base[table] + len(next(iter(self.cols[table].values())))
+
+    def held_rows(self) -> int:
+        """Rows held here, not in the store yet."""
+        return sum(len(next(iter(cols.values()))) for cols in self.cols.values())
 
     def _reusable(self, path: str, digest: str, nbytes: int) -> bool:
         """A blob already in the store may stand for these bytes: finished and, unless this
@@ -173,28 +211,38 @@ class RankBuilder:
         row = self.blob_payload.get(blob_id)
         if row is None and blob_id >= schema.FLIGHT_BLOB_BASE:
             # Held by the flight recorder when the event was written: its blob comes after (if a
-            # failure dumped it). Kept as -2 - id until ``_resolve_held``.
+            # failure dumped it). Kept as -2 - id until ``end_attempt``.
+            self.held = True
             return -2 - blob_id
         if row is None:
-            self.report.payload_missing += 1
+            self.attrs["payload_missing"] += 1
             return -1
         return row
 
-    def _resolve_held(self) -> None:
-        """The flight recorder's blobs (``_payload``) -> payload rows, or -1 where no failure
-        wrote them (not kept: no loss); at the end, and before a new attempt reuses the ids."""
-        for table in ("tensors", "batch_tensors", "tape_tensors", "rng"):
+    def end_attempt(self) -> None:
+        """The process attempt ended (its ``end`` event, a new attempt, or the last collection):
+        the flight recorder's blobs (``_payload``) -> payload rows, or -1 where no failure wrote
+        them (not kept: no loss). Rows held here are resolved now; rows of this attempt already in
+        the store by the next flush (``resolve_jobs``)."""
+        if not self.held:
+            return
+        flight = {i: r for i, r in self.blob_payload.items() if i >= schema.FLIGHT_BLOB_BASE}
+        for table in HELD_TABLES:
             col = self.cols[table]["payload"]
             for i, v in enumerate(col):
                 if v <= -2:
-                    row = self.blob_payload.get(-2 - v)
+                    row = flight.get(-2 - v)
                     if row is None:
                         self.attrs["flight_unwritten"] += 1
                     col[i] = -1 if row is None else row
+        first = {t: self.attempt_rows[t] for t in HELD_TABLES if self.attempt_rows[t] < self.base[t]}
+        if first:
+            self.resolve_jobs.append((first, flight))
+        self.held = False
 
     # -- events -------------------------------------------------------------------------------
     def _shape(self, shape: list[int]) -> int:
-        start = len(self.cols["shapes"]["dim"])
+        start = self.n("shapes")
         self.cols["shapes"]["dim"].extend(shape)
         return start
 
@@ -232,10 +280,17 @@ class RankBuilder:
             self.attrs["rank_start"] = ev
         self.attrs["attempts"] += 1
         if self.attrs["attempts"] > 1:
-            # A restarted rank (torchelastic) starts a new attempt: blob ids restart too.
-            self._resolve_held()
+            # A restarted rank (torchelastic) starts a new attempt: blob ids restart too (the
+            # collector flushed the last attempt's rows before this event: ``new_attempt``).
+            self.end_attempt()
             self.blob_payload = {}
             self._kernel_codes = {}  # and so do its kernel-name codes
+        self.attempt_rows = {t: self.n(t) for t in TABLES}
+
+    def new_attempt(self, ev: dict[str, Any]) -> bool:
+        """Whether ``ev`` starts a new process attempt of a rank that has begun one already: the
+        collector flushes the earlier attempt's rows first (rows are sorted within an attempt)."""
+        return ev.get("type") == schema.EV_RANK_START and int(self.attrs["attempts"]) > 0
 
     def _ev_files(self, ev: dict[str, Any]) -> None:
         files = self.attrs["files"]
@@ -265,8 +320,8 @@ class RankBuilder:
 
     def _ev_coll(self, ev: dict[str, Any]) -> None:
         c = self.cols["collectives"]
-        tstart = len(self.cols["tensors"]["coll"])
-        row = len(c["seq"])
+        tstart = self.n("tensors")
+        row = self.n("collectives")
         for t in ev["tensors"]:
             cols = self._tensor_cols(t)
             cols["coll"] = row
@@ -289,12 +344,12 @@ class RankBuilder:
         }
         for k, v in values.items():
             c[k].append(v)
-        self.report.collectives += 1
+        self.progress.coll(int(ev["seq"]), int(ev["step"]))
 
     def _ev_batch(self, ev: dict[str, Any]) -> None:
         b = self.cols["batches"]
-        row = len(b["step"])
-        tstart = len(self.cols["batch_tensors"]["batch"])
+        row = self.n("batches")
+        tstart = self.n("batch_tensors")
         for t in ev["tensors"]:
             cols = self._tensor_cols(t)
             cols["batch"] = row
@@ -317,12 +372,12 @@ class RankBuilder:
         }
         for k, v in values.items():
             b[k].append(v)
-        self.report.batches += 1
+        self.progress.batch(int(ev["loader"]), int(ev["index"]), int(ev["step"]))
 
     def _ev_kop(self, ev: dict[str, Any]) -> None:
         k = self.cols["tape"]
-        row = len(k["seq"])
-        tstart = len(self.cols["tape_tensors"]["call"])
+        row = self.n("tape")
+        tstart = self.n("tape_tensors")
         for t in ev["tensors"]:
             cols = self._tensor_cols(t)
             cols["call"] = row
@@ -338,17 +393,18 @@ class RankBuilder:
         }
         for col, v in values.items():
             k[col].append(v)
+        self.progress.tape_call(int(ev["seq"]), int(ev["step"]))
 
     def _ev_step(self, ev: dict[str, Any]) -> None:
         self.tracker.step_done(int(ev["step"]))
         s = self.cols["steps"]
         p = self.cols["step_params"]
-        pstart = len(p["fp"])
+        pstart = self.n("step_params")
         for fp, nf, algo in ev["params"]:
             p["fp"].append(int(fp))
             p["nonfinite"].append(bool(nf))
             p["algo"].append(self.names["algo"].code(algo))
-        lstart = len(self.cols["losses"]["value"])
+        lstart = self.n("losses")
         losses = [float(x) for x in ev["loss"]]
         self.cols["losses"]["value"].extend(losses)
         nonfinite = any(nf for _, nf, _ in ev["params"]) or any(not np.isfinite(x) for x in losses)
@@ -372,7 +428,7 @@ class RankBuilder:
             ends["step"].append(ev["step"])
             ends["micro"].append(micro)
             ends["t_ns"].append(int(t_ns))
-        self.report.steps += 1
+        self.progress.step(int(ev["step"]), int(ev["colls"]))
 
     def _ev_memory(self, ev: dict[str, Any]) -> None:
         a = self.cols["allocs"]
@@ -451,6 +507,7 @@ class RankBuilder:
         }
         for k, v in values.items():
             m[k].append(v)
+        self.progress.module(int(ev["step"]), int(ev["idx"]))
 
     def _ev_aop(self, ev: dict[str, Any]) -> None:
         m = self.cols["op_fps"]
@@ -493,17 +550,6 @@ class RankBuilder:
                     raise TraceFormatError(f"a {table} row has {len(row)} fields, not {len(columns)}")
                 for col, v in zip(columns, row, strict=True):
                     cols[col].append(codes.get(int(v), -1) if table == "kernels" and col == "name" else v)
-                self._cupti_attempts[table].append(self.attrs["attempts"])
-
-    def _sort_cupti(self) -> None:
-        """Rows in launch order (attempt, then correlation id): CUPTI delivers a kernel's record
-        when it completes, so a long kernel's row can come after later launches'."""
-        for table in ("kernels", "copies"):
-            cols, attempts = self.cols[table], self._cupti_attempts[table]
-            order = sorted(range(len(attempts)), key=lambda i: (attempts[i], cols["corr"][i]))
-            if order != list(range(len(order))):
-                for col, values in cols.items():
-                    cols[col] = [values[i] for i in order]
 
     def _ev_cupti_state(self, ev: dict[str, Any]) -> None:
         cupti = self.attrs[schema.CUPTI_ATTR]
@@ -516,73 +562,7 @@ class RankBuilder:
 
     def _ev_end(self, ev: dict[str, Any]) -> None:
         self.attrs["end"] = {k: v for k, v in ev.items() if k != "type"}
-        self.report.clean_end = True
-        self.report.payloads_dropped = int((ev.get("counters") or {}).get("blobs_dropped", 0))
-
-    # -- output -------------------------------------------------------------------------------
-    def _sort_collectives(self) -> None:
-        """Rows in sequence order: deferred collectives are written when completed, not issued."""
-        c = self.cols["collectives"]
-        order = sorted(range(len(c["seq"])), key=c["seq"].__getitem__)
-        if order == list(range(len(order))):
-            return
-        for col, values in c.items():
-            c[col] = [values[i] for i in order]
-        new_row = {old: new for new, old in enumerate(order)}
-        t = self.cols["tensors"]
-        t["coll"] = [new_row[i] for i in t["coll"]]
-
-    def assess(self) -> dict[str, Any]:
-        """How far this rank's record is complete (see completeness.py)."""
-        c, b, m, k = (
-            self.cols["collectives"],
-            self.cols["batches"],
-            self.cols["module_fps"],
-            self.cols["tape"],
-        )
-        return completeness.assess(
-            self.tracker,
-            steps=self.cols["steps"]["step"],
-            step_colls=self.cols["steps"]["colls"],
-            coll_seqs=c["seq"],
-            coll_steps=c["step"],
-            batches=list(zip(b["loader"], b["index"], b["step"], strict=True)),
-            module_fps=list(zip(m["step"], m["idx"], strict=True)),
-            tape=list(zip(k["seq"], k["step"], strict=True)),
-            end=self.attrs["end"],
-            attempts=int(self.attrs["attempts"]),
-        )
-
-    def write(self) -> None:
-        self._resolve_held()
-        self._sort_collectives()
-        self._sort_cupti()
-        self.report.completeness = self.assess()
-        group = self.root.create_group(schema.RANK_GROUP_FMT.format(rank=self.rank), overwrite=True)
-        arrays: dict[str, dict[str, Any]] = {}
-        for table, columns in TABLES.items():
-            tg = group.create_group(table)
-            for col, dtype in columns.items():
-                values = np.asarray(self.cols[table][col], dtype=dtype)
-                arrays[f"{table}/{col}"] = {"len": len(values), "blake2b": digest_of(values.tobytes())}
-                arr = tg.create_array(
-                    col,
-                    shape=values.shape,
-                    dtype=dtype,
-                    chunks=(min(COLUMN_CHUNK, max(len(values), 1)),),
-                    compressors=column_codecs(),
-                    fill_value=0,
-                )
-                if len(values):
-                    arr[:] = values
-        attrs = dict(self.attrs)
-        attrs.update({f"{k}_names": v.names for k, v in self.names.items()})
-        attrs["damage"] = self.report.damage
-        attrs["payload_missing"] = self.report.payload_missing
-        attrs["rank"] = self.rank
-        attrs[schema.COMPLETENESS_ATTR] = self.report.completeness
-        attrs[schema.ARRAYS_ATTR] = arrays  # written last: a group without it is unfinished
-        group.attrs.update(jsonable(attrs))
+        self.end_attempt()  # the flight recorder's dump, if any, was written before the end
 
 
 def jsonable(x: Any) -> Any:

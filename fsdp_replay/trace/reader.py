@@ -7,6 +7,7 @@ columns (read lazily, only that rank's arrays), its attributes, and its payloads
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
@@ -73,12 +74,18 @@ class Table:
     """Equal-length columns of one table of one rank."""
 
     def __init__(
-        self, group: zarr.Group, where: str, name: str = "", listed: dict[str, Any] | None = None
+        self,
+        group: zarr.Group,
+        where: str,
+        name: str = "",
+        listed: dict[str, Any] | None = None,
+        changed: Callable[[], bool] | None = None,
     ) -> None:
         self._group = group
         self._where = where
         self._name = name
         self._listed = listed  # the rank's array list (format 3), or None
+        self._changed = changed  # whether the rank's array list changed since it was read
         self._cache: dict[str, np.ndarray] = {}
 
     def _entry(self, column: str) -> dict[str, Any] | None:
@@ -97,7 +104,16 @@ class Table:
                 raise TraceFormatError(f"missing column {column!r}", path=self._where) from None
             if not isinstance(arr, zarr.Array):
                 raise TraceFormatError(f"{column!r} is not an array", path=self._where)
-            self._cache[column] = _read_array(arr, f"{self._where}/{column}", self._entry(column))
+            try:
+                self._cache[column] = _read_array(arr, f"{self._where}/{column}", self._entry(column))
+            except TraceFormatError:
+                if self._changed is not None and self._changed():
+                    raise TraceFormatError(
+                        f"this rank's group changed while it was read (a collection is adding to it, "
+                        f"column {column!r}): read the trace again",
+                        path=self._where,
+                    ) from None
+                raise
         return self._cache[column]
 
     def has(self, column: str) -> bool:
@@ -173,9 +189,18 @@ class RankTrace:
             raise TraceFormatError(f"{name!r} is not a group", path=self.where)
         listed = self.attrs.get(schema.ARRAYS_ATTR)
         table = self._tables[name] = Table(
-            g, f"{self.where}/{name}", name, listed if isinstance(listed, dict) else None
+            g, f"{self.where}/{name}", name, listed if isinstance(listed, dict) else None, self._changed
         )
         return table
+
+    def _changed(self) -> bool:
+        """Whether the group's array list is no longer the one read (a collection, in the sidecar,
+        appends to a trace while it is read): a column that does not match it is then not damage."""
+        try:
+            now = zarr.open_group(store=self.group.store, path=self.group.path, mode="r").attrs
+            return dict(now).get(schema.ARRAYS_ATTR) != self.attrs.get(schema.ARRAYS_ATTR)
+        except Exception:
+            return False
 
     def read_all(self) -> int:
         """Read (and so check) every column of every table; returns how many arrays. An analysis

@@ -151,6 +151,10 @@ COMPLETENESS_ATTR: Final = "completeness"
 # Blob arrays get this attribute once all their bytes are written: a blob without it was left
 # by a collector that was killed mid-write, and is rewritten.
 BLOB_COMPLETE_ATTR: Final = "complete"
+# The collector's own state in a rank group (readers ignore both): the rank attribute holding
+# where the next collection resumes (trace/rank_store.py), and the table of the spool's blob ids.
+COLLECTOR_ATTR: Final = "collector"
+COLLECTOR_TABLE: Final = "_collector"
 
 # ---------------------------------------------------------------------------------------------
 # Spool records. A segment starts with SEGMENT_MAGIC + a JSON header line; then records, each

@@ -4,8 +4,9 @@ A 2-rank run is recorded with ``--no-collect`` (in a pod, the sidecar collects).
 first while the store is down: the collection fails, is counted, and every spool is kept. With the
 store up, a second sidecar collects into ``s3://``, reads the trace back whole and deletes the
 spools; ``inspect`` and ``replay --rank 1`` then read the trace from the store (BIT-EXACT). The
-sidecar SIGKILLed mid-run and restarted, and a store on a full disk (a 256 kB tmpfs), lose nothing
-and duplicate nothing.
+sidecar SIGKILLed mid-run and restarted (the new one resumes where the store says the killed one
+stopped, without collecting anything anew), and a store on a full disk (a 256 kB tmpfs), lose
+nothing and duplicate nothing.
 """
 
 from __future__ import annotations
@@ -224,6 +225,7 @@ def test_the_sidecar_killed_mid_run_and_restarted_loses_and_duplicates_nothing(t
             os.killpg(job.pid, 9)
     text = second.read_text()
     assert f"trace collected into {store} (2 ranks" in text, text[-3000:]
+    assert "collected anew" not in text, text[-3000:]  # it went on from where the killed one stopped
     assert not list((out / "spool").glob("rank-*")), text[-3000:]  # deleted once the store held them whole
     summary = json.loads(run([*CLI, "inspect", str(store), "--json"]).stdout)
     for r in summary["per_rank"]:  # every step and collective the agents counted, once

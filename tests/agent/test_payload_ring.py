@@ -1,0 +1,155 @@
+"""The device payload ring (agent/payload_ring.py): its space on the CPU, its copies on a GPU."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_replay.agent.payload_ring import ALIGN, RingSpace
+
+
+def _overlaps(live: dict[int, int]) -> list[tuple[int, int]]:
+    spans = sorted(live.items())
+    return [(a, b) for (a, sa), (b, _) in itertools.pairwise(spans) if a + sa > b]
+
+
+def test_slots_never_overlap_and_space_comes_back_in_any_order_of_frees() -> None:
+    rng = random.Random(7)
+    ring = RingSpace(1 << 20)
+    live: dict[int, int] = {}  # offset -> aligned size
+    taken = refused = 0
+    for _ in range(20_000):
+        if live and (rng.random() < 0.45 or len(live) > 40):
+            off = rng.choice(list(live))  # frees out of order too
+            ring.free(off)
+            del live[off]
+        else:
+            n = rng.choice((1, 255, 256, 257, 4096, 100_000, 300_000, 700_000))
+            off = ring.take(n)
+            if off is None:
+                refused += 1
+                continue
+            taken += 1
+            size = -(-n // ALIGN) * ALIGN
+            assert off % ALIGN == 0 and off + size <= ring.capacity, (off, n)
+            live[off] = size
+            assert not _overlaps(live), live
+        assert ring.used == sum(live.values())
+    assert taken > 5_000 and refused > 0  # both paths ran
+    for off in list(live):
+        ring.free(off)
+    assert ring.live() == 0 and ring.used == 0
+    assert ring.take(ring.capacity) == 0  # empty again: the whole ring is one slot
+
+
+def test_a_full_ring_refuses_without_waiting_and_takes_again_once_the_oldest_is_freed() -> None:
+    ring = RingSpace(4 * ALIGN)
+    a, b, c, d = (ring.take(ALIGN) for _ in range(4))
+    assert (a, b, c, d) == (0, ALIGN, 2 * ALIGN, 3 * ALIGN)
+    assert ring.take(1) is None  # full
+    ring.free(c)  # not the oldest: its space is not reusable yet (slots go in ring order)
+    assert ring.take(1) is None
+    ring.free(a)
+    assert ring.take(ALIGN) == 0  # wrapped to the start
+    assert ring.take(ALIGN) is None
+    ring.free(b)
+    ring.free(d)
+    assert ring.take(2 * ALIGN) == ALIGN  # after the newest live slot (at 0): [ALIGN, 3 * ALIGN)
+    assert ring.take(5 * ALIGN) is None  # larger than the ring: never fits
+
+
+def test_takes_and_frees_from_two_threads_keep_the_books() -> None:
+    ring = RingSpace(1 << 16)
+    handed: list[int] = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def writer() -> None:  # frees in the order slots were taken, as the writer thread does
+        while not done.is_set() or handed:
+            with lock:
+                off = handed.pop(0) if handed else None
+            if off is not None:
+                ring.free(off)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    refused = 0
+    for i in range(5_000):
+        while (off := ring.take(1 + i % 3000)) is None:  # full: the writer frees, the taker retries
+            refused += 1
+            time.sleep(0.0001)
+        with lock:
+            handed.append(off)
+    done.set()
+    t.join()
+    assert ring.live() == 0 and ring.used == 0
+    assert refused > 0  # it did fill up while the other thread freed
+
+
+# -- on a GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("sm_copy", [False, True], ids=["memcpy", "kernel"])
+@pytest.mark.parametrize("contiguous", [False, True], ids=["strided", "contiguous"])
+def test_the_staged_bytes_are_those_at_the_collective_not_after_an_in_place_write(
+    sm_copy: bool, contiguous: bool
+) -> None:
+    import torch
+
+    from fsdp_replay.agent.payload_ring import PayloadRing
+
+    ring = PayloadRing(torch.device("cuda"), 64 << 20, sm_copy=sm_copy)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8):
+        src = (torch.randn(1000, 257, device="cuda") * 100).to(dtype)
+        src[0, :3] = torch.tensor([float("nan"), float("-inf"), -0.0]).to(dtype)
+        view = src if contiguous else src.t()  # strided: staged as the values in the view's order
+        want = view.contiguous().cpu()
+        nbytes = want.numel() * want.element_size()
+        staged = ring.stage(view, nbytes)
+        assert staged is not None
+        slot, ready = staged
+        src.zero_()  # the program writes in place right after, on the training stream
+        ready.synchronize()
+        got = slot.host.view(dtype).view(want.shape)
+        assert torch.equal(got, want), dtype
+        slot.release()
+    assert ring.space.live() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_run_whose_payloads_overflow_a_small_ring_drops_and_counts_them(tmp_path: Path) -> None:
+    from harness import CLI, EXAMPLE, child_env, run, torchrun_cmd
+
+    from fsdp_replay.trace import schema
+    from fsdp_replay.trace.reader import Trace
+
+    out = tmp_path / "rec"
+    run(
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(out),
+            "--payloads",
+            "all",
+            "--payload-ring-bytes",
+            str(256 << 10),
+            "--",
+            *torchrun_cmd(1, EXAMPLE, "--steps", "3", "--layers", "2", "--d-model", "256", "--seq-len", "64"),
+        ],
+        env=child_env(),
+    )
+    counters = Trace.open(out / schema.TRACE_DIR).rank(0).attrs["end"]["counters"]
+    assert counters["ring_full_drops"] > 0 and counters["blobs_dropped"] >= counters["ring_full_drops"]
+    assert counters["blobs"] > 0  # the payloads that fit were written
+    text = run([*CLI, "inspect", str(out)]).stdout
+    assert "because the GPU payload ring was full" in text and "--payload-ring-bytes" in text, text
+    print("ring full:", counters["ring_full_drops"], "of", counters["ring_full_drops"] + counters["blobs"])
