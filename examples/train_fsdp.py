@@ -89,6 +89,9 @@ class Config:
     skip_collective_at_step: int | None = None
     skip_rank: int = 0
     sleep_per_step: float = 0.0
+    stall_at_step: int | None = None
+    stall_rank: int = 0
+    stall_s: float = 3600.0
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -201,6 +204,20 @@ def parse_args(argv: list[str] | None = None) -> Config:
         default=0.0,
         metavar="SECONDS",
         help="sleep this long after every optimizer step",
+    )
+    f.add_argument(
+        "--stall-at-step",
+        type=int,
+        default=None,
+        metavar="K",
+        help="rank --stall-rank sleeps --stall-s seconds at step K, after its optimizer step and before "
+        "the loss all_reduce: a rank hung outside any collective while the others wait in one",
+    )
+    f.add_argument(
+        "--stall-rank", type=int, default=d.stall_rank, metavar="R", help="rank for --stall-at-step"
+    )
+    f.add_argument(
+        "--stall-s", type=float, default=d.stall_s, metavar="SECONDS", help="how long --stall-at-step sleeps"
     )
     return Config(**vars(p.parse_args(argv)))
 
@@ -507,6 +524,8 @@ def train(cfg: Config) -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
+        if step == cfg.stall_at_step and rank == cfg.stall_rank:
+            time.sleep(cfg.stall_s)  # the stall (--stall-at-step)
         if not (step == cfg.skip_collective_at_step and rank == cfg.skip_rank):
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=metrics_group)
             loss_sum /= world

@@ -46,6 +46,7 @@ from fsdp_replay.agent.record_collective import CollectiveRecorder
 from fsdp_replay.agent.record_flight import FlightDumps
 from fsdp_replay.agent.record_tape import TapeRecorder
 from fsdp_replay.agent.snapshots import StateRecorder
+from fsdp_replay.agent.state_dump import StateDump
 from fsdp_replay.agent.tape import OpTape, start_tape, tape_ops
 from fsdp_replay.agent.tensor_record import TensorRecorder
 from fsdp_replay.agent.writer import BackgroundWriter
@@ -112,6 +113,7 @@ class Recorder:
         )
         self.compiled.install()
         self.gpu_activity = GpuActivity(config, st)  # CUPTI's kernels and copies (agent/cupti)
+        self.state_dump = StateDump(config.out)  # answers RUN/spool/dump-request (writer thread)
         self.ops: OpRecorder | None = None
         self.micro_ends: list[int] = []  # when this step's backward() calls returned (t_ns)
         self.memory: Any = None  # agent/allocations.py's MemoryRecorder, once CUDA is initialized
@@ -279,18 +281,42 @@ class Recorder:
             st.writer = writer
             return writer
 
-    def _on_idle(self) -> dict[str, Any] | None:
-        """Writer thread, about once a second while it has nothing to write: the collective this
-        rank has waited in for a while (once), else an ``alive`` mark of how far the rank got."""
+    def _on_idle(self) -> list[dict[str, Any]]:
+        """Writer thread, about once a second while it has nothing to write: the answer to a new
+        dump request (``state_dump.py``; also once recording stopped after an internal error: the
+        stacks are still the process's), then the collective this rank has waited in for a while
+        (once), else an ``alive`` mark of how far the rank got."""
         st = self.state
+        out = []
+        dump = self.state_dump.poll(self._position)
+        if dump is not None:
+            out.append(dump)
         if st.failed:
-            return None  # recording stopped: an `alive` mark would claim a record that is not kept
+            return out  # recording stopped: an `alive` mark would claim a record that is not kept
         if self.flight is not None and st.writer is not None:
             self.flight.idle(st.writer, self.bridge.inflight(st.pos.step) or self.collectives.inflight)
         stuck = self._stuck()
         if stuck is not None:
-            return stuck
-        return {"type": schema.EV_ALIVE, "seq": st.pos.seq, "step": st.pos.step, "t_ns": st.t_ns()}
+            return [*out, stuck]
+        return [*out, {"type": schema.EV_ALIVE, "seq": st.pos.seq, "step": st.pos.step, "t_ns": st.t_ns()}]
+
+    def _position(self) -> dict[str, Any]:
+        """Where the rank is, for a ``state`` event: position, recording, the collective in flight."""
+        st = self.state
+        now = st.t_ns()
+        inflight = self.bridge.inflight(st.pos.step) or self.collectives.inflight
+        held = None
+        if inflight is not None:
+            held = dict(zip(("seq", "step", "op", "pg", "t_ns"), inflight, strict=True))
+            held["waited_ns"] = now - int(inflight[4])
+        return {
+            "t_ns": now,
+            "step": st.pos.step,
+            "micro": st.pos.micro,
+            "seq": st.pos.seq,
+            "recording": st.recording and not st.failed,
+            "inflight": held,
+        }
 
     def _stuck(self) -> dict[str, Any] | None:
         """The collective this rank has waited in for a while, once."""

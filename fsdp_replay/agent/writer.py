@@ -86,11 +86,11 @@ class BackgroundWriter:
         self,
         spool: SpoolWriter,
         on_error: Callable[[str, BaseException], None],
-        on_idle: Callable[[], dict[str, Any] | None] | None = None,
+        on_idle: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.spool = spool
         self.on_error = on_error
-        self.on_idle = on_idle  # asked about once a second while idle: an event to write, or None
+        self.on_idle = on_idle  # asked about once a second while idle: the events to write
         self.counters = Counters()
         self.pending_bytes = 0  # payload bytes enqueued and not yet written (read by the agent)
         self.payloads_off = False  # set once the disk filled: from then on, metadata only
@@ -225,8 +225,7 @@ class BackgroundWriter:
         if self.on_idle is None:
             return
         try:
-            ev = self.on_idle()
-            if ev is not None:
+            for ev in self.on_idle():
                 self._write_event(ev)
         except BaseException as e:
             self.on_error("writer (idle)", e)

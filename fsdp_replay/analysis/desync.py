@@ -15,6 +15,7 @@ import numpy as np
 
 from fsdp_replay.analysis.columns import Interner, checked_ranks, pg_ranks, rank_steps_done, record_notes
 from fsdp_replay.analysis.desync_ranks import RankCtx, deviation, rank_ctx, unrecorded_reason
+from fsdp_replay.analysis.state_dumps import rank_states
 from fsdp_replay.trace.ops import P2P_OPS
 from fsdp_replay.trace.reader import Trace
 
@@ -172,12 +173,15 @@ def desync_report(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any
     ("mismatch": different collectives, "missing": some ranks never issued it), "entries" ({rank:
     entry or None}), "issued", "never", "moved_on" ({rank: its final entry}), "suspects",
     "message"}``; ``consistent`` (no mismatch), ``stuck`` (ranks with an in-flight collective),
-    ``missing_ranks`` (of the world, no data), ``message``.
+    ``missing_ranks`` (of the world, no data), ``message``; ``states``: a line per rank that
+    answered a dump request (``state_dumps.describe``: where its main thread was, or the collective
+    it waited in), and each rank's ``state`` (``state_dumps.where`` of its last dump, or None).
     """
     rts = checked_ranks(trace, ranks)
     present = list(rts)
     intern = Interner()
     ctxs = {rk: rank_ctx(rk, r, intern) for rk, r in rts.items()}
+    states = rank_states({rk: r.attrs for rk, r in rts.items()})
     deviations: dict[int, dict[str, Any]] = {}
     for rk, ctx in ctxs.items():
         dev = deviation(ctx, intern)
@@ -204,6 +208,7 @@ def desync_report(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any
             "last_completed": ctx.entry(len(ctx.co) - 1) if len(ctx.co) else None,
             "in_flight": ctx.inflight,
             "deviation": deviations.get(rk),
+            "state": states[rk]["where"] if rk in states else None,
         }
         for rk, ctx in ctxs.items()
     ]
@@ -255,5 +260,6 @@ def desync_report(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any
         "stuck": stuck,
         "unrecorded": unrecorded,
         "notes": record_notes(trace, present),
+        "states": [st["message"] for st in states.values()],
         "message": message,
     }

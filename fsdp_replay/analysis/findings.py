@@ -3,8 +3,8 @@ command to run next.
 
 A finding is ``{"kind", "severity", "rank", "step", "seq", "op", "message", "next"}``: ``kind``
 one of "ended", "nonfinite", "desync", "hang", "payloads_dropped", "agent_error", "damage", "flight",
-"restarted", "compiled", "oom", "ok"; ``severity`` "problem" (the run failed there), "warning" (the
-record or a replay is weaker for it) or "info"; ``rank``/``step``/``seq``/``op`` where they
+"restarted", "compiled", "oom", "state" (a rank's answer to a dump request), "ok"; ``severity``
+"problem" (the run failed there), "warning" (the record or a replay is weaker for it) or "info"; ``rank``/``step``/``seq``/``op`` where they
 apply (None otherwise); ``next`` the command line to run, with ``RUN`` as the user named it.
 Problems come first, in the order they happened.
 """
@@ -17,9 +17,37 @@ from typing import Any
 from fsdp_replay.analysis.desync import desync_report
 from fsdp_replay.analysis.memory import oom_message
 from fsdp_replay.analysis.nonfinite import nonfinite_origin
+from fsdp_replay.analysis.state_dumps import rank_states
 from fsdp_replay.trace.reader import Trace
 
 PROBLEM, WARNING, INFO = "problem", "warning", "info"
+
+
+def state_findings(trace: Trace, ranks: list[int] | None, q: str) -> list[dict[str, Any]]:
+    """A finding per rank that answered a dump request (``state_dumps``): a problem for a rank
+    outside any collective while another waits in one (what the others wait for), else
+    information."""
+    chosen = trace.ranks if ranks is None else [r for r in ranks if r in trace.ranks]
+    states = rank_states({rk: trace.rank(rk).attrs for rk in chosen})
+    waiting = any(st["where"]["inflight"] for st in states.values())
+    out = []
+    for rank, st in states.items():
+        w = st["where"]
+        inflight = w["inflight"] or {}
+        outside = not inflight and waiting
+        out.append(
+            finding(
+                "state",
+                PROBLEM if outside else INFO,
+                st["message"] + ("; the ranks in a collective wait for it" if outside else ""),
+                f"fsdp-replay desync {q}",
+                rank=rank,
+                step=inflight.get("step", w["step"]),
+                seq=inflight.get("seq", w["seq"]),
+                op=inflight.get("op"),
+            )
+        )
+    return out
 
 
 def finding(
@@ -87,6 +115,7 @@ def findings(
                     op=first.get("op"),
                 )
             )
+    out += state_findings(trace, ranks, q)
     for r in summary["per_rank"]:
         out += _rank_findings(r, q)
     out += flight_findings(summary["per_rank"], q)

@@ -102,6 +102,10 @@ def cmd_desync(args: argparse.Namespace) -> int:
         con.print(f"also: {escape(g['mismatch']['message'])}")
     for u in rep["unrecorded"]:
         con.print(f"[yellow]not a disagreement: {escape(u['message'])}[/yellow]")
+    if rep["states"]:
+        con.print("[bold]what each rank was doing when asked (dump request)[/bold]")
+        for line in rep["states"]:
+            con.print(f"  {escape(line)}")
     _print_notes(con, rep["notes"])
     return EXIT_OK if rep["consistent"] else EXIT_FOUND
 

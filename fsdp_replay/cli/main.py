@@ -1,6 +1,6 @@
 """Record a training job, build its trace, replay one rank, analyse it, inject recording into pods.
 
-Subcommands: ``record | collect | inspect | replay | diff | nan | desync | export | webhook |
+Subcommands: ``record | collect | dump | inspect | replay | diff | nan | desync | export | webhook |
 inject | job | job-run | sidecar``. Every option is also an environment variable: ``FSDP_REPLAY_<OPTION>`` for the
 first eight (``fsdp_replay/options.py``), ``FSDP_REPLAY_INJECTOR_*``, ``FSDP_REPLAY_JOB_*`` and ``FSDP_REPLAY_SIDECAR_*``
 for the components' own. Exit codes by error class (``docs/exit-codes.md``): 0 success, 1 a finding, 2 a
@@ -19,7 +19,7 @@ from fsdp_replay.errors import ConfigError, ExitCode, FsdpReplayError, TraceForm
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fsdp_replay.cli import analyze, export, inspect, job_run, record, replay
+    from fsdp_replay.cli import analyze, dump, export, inspect, job_run, record, replay
     from fsdp_replay.injector.cli import register as register_injector
     from fsdp_replay.sidecar.cli import register as register_sidecar
 
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fsdp-replay {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     record.register(sub)
+    dump.register(sub)
     replay.register(sub)
     analyze.register(sub)
     inspect.register(sub)

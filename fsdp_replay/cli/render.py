@@ -214,7 +214,9 @@ def _print_findings(con: Any, found: list[dict[str, Any]]) -> None:
 
     con.print("[bold]findings[/bold]")
     for f in found:
-        plain = f["kind"] in ("compiled", "flight") and f["severity"] == "info"  # facts, not a verdict
+        plain = (
+            f["kind"] in ("compiled", "flight", "state") and f["severity"] == "info"
+        )  # facts, not a verdict
         mark = "note" if plain else _MARK.get(f["severity"], f["severity"])
         con.print(f"  {mark} {escape(f['message'])}", soft_wrap=True)
         if f.get("next"):

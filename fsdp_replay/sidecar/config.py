@@ -73,6 +73,8 @@ class SidecarConfig:
     """Exit 0 once the training processes seen have ended and their spools are quiet; unset: in container mode only."""
     exit_quiet_s: float = 10.0
     """How long no trainer may run and no spool grow before that exit (a restarted worker within it keeps the sidecar)."""
+    hang_dump_wait_s: float = 10.0
+    """At a hang (ranks newly stuck): how long to wait for every live rank's state (a dump request's answers) before collecting (0: collect at once, no request)."""
     cost_skip_steps: int = 0
     """Steps left out of the recording-cost medians, as summary.recording_cost's skip_steps (inspect uses 0)."""
     max_comm_labels: int = 64
@@ -114,6 +116,8 @@ class SidecarConfig:
             )
         if not (math.isfinite(self.exit_quiet_s) and 0 <= self.exit_quiet_s <= 86400):
             raise ConfigError(f"{env_name('exit_quiet_s')}={self.exit_quiet_s}: give 0..86400 seconds")
+        if not (math.isfinite(self.hang_dump_wait_s) and 0 <= self.hang_dump_wait_s <= 3600):
+            raise ConfigError(f"{env_name('hang_dump_wait_s')}={self.hang_dump_wait_s}: give 0..3600 seconds")
         if self.cost_skip_steps < 0:
             raise ConfigError(f"{env_name('cost_skip_steps')}={self.cost_skip_steps}: a step count is >= 0")
         if self.max_comm_labels < 1:

@@ -8,6 +8,10 @@ One loop, every ``poll_interval_s``:
 2. Every rank folder under ``OUT/spool`` gets a ``SpoolFollower`` as it appears; the records each
    poll returns feed that rank's ``RankState``.
 3. The probe's counters are copied into the state.
+4. Ranks newly stuck in a collective (a hang): a dump request (``OUT/spool/dump-request``) asks
+   every live rank's agent to write its state (its threads' stacks, the collective in flight);
+   once each answered, or after ``hang_dump_wait_s``, the trace is collected, so that the store
+   holds the hang while the job still hangs.
 
 The probe delivers NCCL calls on its own thread (``Probe.start``) straight into ``NcclStats``; the
 HTTP server answers scrapes on its own threads and reads the state under its lock. eBPF is
@@ -28,13 +32,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
 import psutil
 
-from fsdp_replay.errors import TraceFormatError
+from fsdp_replay.errors import FsdpReplayError, TraceFormatError
 from fsdp_replay.sidecar import procfs
 from fsdp_replay.sidecar.config import MODE_CONTAINER, SidecarConfig
 from fsdp_replay.sidecar.discovery import Discovery, TrainingProcess
@@ -45,12 +50,26 @@ from fsdp_replay.sidecar.ranks import RankState
 from fsdp_replay.sidecar.server import MetricsServer
 from fsdp_replay.sidecar.ship import Shipper
 from fsdp_replay.trace import schema, spool
+from fsdp_replay.trace.dump_request import write_request
 from fsdp_replay.trace.follow import SpoolFollower
+from fsdp_replay.trace.layout import dump_request_path
 
 if TYPE_CHECKING:
     from fsdp_replay.sidecar.ebpf.probe import Probe
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingDump:
+    """A dump request written at a hang, whose answers the next polls look for."""
+
+    rid: int
+    ranks: frozenset[int]
+    """The live ranks when it was written: those expected to answer."""
+    deadline: float
+    asked: float
+
 
 APPLY_BATCH = 2048
 """Records applied per hold of the state lock, so that a scrape never waits long behind a big poll."""
@@ -94,6 +113,7 @@ class Sidecar:
         self._forget: list[tuple[float, TrainingProcess]] = []
         self._quiet: tuple[float, int] | None = None
         self._hang_captured: frozenset[int] = frozenset()
+        self._dump: PendingDump | None = None
         self._warned: set[str] = set()
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -196,7 +216,12 @@ class Sidecar:
             self.state.processes.update(live)
         self._forget_exited(now)
         self._follow(final=False)
-        if live and (self._hang_to_capture() or self.shipper.due(now)):
+        hang = bool(live) and self._hang_to_capture()
+        if hang and self.config.hang_dump_wait_s > 0 and self._ask_for_state(now):
+            hang = False  # collected once the ranks answered, or at the deadline
+        if self._dump is not None and self._dump_settled(now):
+            hang = True
+        if live and (hang or self.shipper.due(now)):
             self._ship(final=False, now=now)
 
     def _ship(self, *, final: bool, now: float | None = None) -> None:
@@ -304,9 +329,72 @@ class Sidecar:
             return False
         self._hang_captured = stuck
         log.warning(
-            "ranks %s are stuck in a collective: collecting the trace now, so that it holds the hang",
+            "ranks %s are stuck in a collective: collecting the trace%s, so that it holds the hang",
             sorted(stuck),
+            " once every rank wrote its state" if self.config.hang_dump_wait_s > 0 else " now",
         )
+        return True
+
+    def _ask_for_state(self, now: float) -> bool:
+        """Write a dump request (``trace/dump_request.py``) for every live rank to answer; False
+        where it could not be written (then the trace is collected at once)."""
+        with self.state.lock:
+            live = frozenset(r for r, s in self.state.ranks.items() if not s.ended)
+        if self._dump is not None:  # more ranks stuck while the last request's answers came in
+            log.info("dump request %d is superseded by a new one (more ranks are stuck)", self._dump.rid)
+            self._dump = None
+        reason = f"sidecar: ranks {sorted(self._hang_captured)} stuck in a collective"
+        try:
+            req = write_request(self.config.out, reason)
+        except (OSError, FsdpReplayError) as e:
+            log.warning("cannot write the dump request, collecting without the ranks' state: %s", e)
+            return False
+        with self.state.lock:
+            self.state.hang.requests += 1
+        self._dump = PendingDump(req.id, live, now + self.config.hang_dump_wait_s, now)
+        log.info(
+            "dump request %d written (%s): waiting up to %.0f s for ranks %s to write their state",
+            req.id,
+            dump_request_path(self.config.out),
+            self.config.hang_dump_wait_s,
+            sorted(live),
+        )
+        return True
+
+    def _dump_settled(self, now: float) -> bool:
+        """True once every rank asked has answered the pending request (or ended), or its time is
+        up: the request is closed, counted and logged, and the trace is to be collected."""
+        d = self._dump
+        assert d is not None
+        with self.state.lock:
+            ranks = self.state.ranks
+            answered = sorted(r for r in d.ranks if r in ranks and d.rid in ranks[r].state_ids)
+            waiting = sorted(r for r in d.ranks if r not in answered and not (r in ranks and ranks[r].ended))
+            if waiting and now < d.deadline:
+                return False
+            h = self.state.hang
+            for r in answered:
+                h.answered[r] = h.answered.get(r, 0) + 1
+            for r in waiting:
+                h.unanswered[r] = h.unanswered.get(r, 0) + 1
+        self._dump = None
+        if waiting:
+            log.warning(
+                "dump request %d: ranks %s answered, ranks %s did not within %.0f s (their writer "
+                "thread could not run: a thread holding the GIL in C code, or the process is gone); "
+                "collecting the trace now",
+                d.rid,
+                answered,
+                waiting,
+                self.config.hang_dump_wait_s,
+            )
+        else:
+            log.warning(
+                "dump request %d: ranks %s wrote their state in %.1f s; collecting the trace now",
+                d.rid,
+                answered,
+                now - d.asked,
+            )
         return True
 
     # -- container mode -----------------------------------------------------------------------

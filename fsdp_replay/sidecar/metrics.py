@@ -49,6 +49,17 @@ class EbpfState:
 
 
 @dataclass(slots=True)
+class HangStats:
+    """Dump requests made at hangs (``main.Sidecar``), and which ranks answered them in time."""
+
+    requests: int = 0
+    answered: dict[int, int] = field(default_factory=dict)
+    """Per rank: requests it answered before the collection."""
+    unanswered: dict[int, int] = field(default_factory=dict)
+    """Per rank: requests it was live for and did not answer within ``hang_dump_wait_s``."""
+
+
+@dataclass(slots=True)
 class SidecarState:
     """Everything the metrics show. The daemon writes it and the collector reads it under ``lock``."""
 
@@ -67,6 +78,7 @@ class SidecarState:
     """Polls of the daemon's loop that raised (logged once per distinct error)."""
     ship: ShipStats = field(default_factory=ShipStats)
     """The collection of the trace into the store (``ship.py``)."""
+    hang: HangStats = field(default_factory=HangStats)
     started_s: float = field(default_factory=time.time)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -96,6 +108,7 @@ class SidecarCollector(Collector):
             families = [
                 *self._sidecar(),
                 *self._store(),
+                *self._hang(),
                 *self._agent(),
                 *self._spool(),
                 *self._ebpf(),
@@ -147,6 +160,31 @@ class SidecarCollector(Collector):
             "Rank groups collected again from their spool's start: the store's copy could not be resumed.",
             value=s.rebuilds,
         )
+
+    # -- hang capture -------------------------------------------------------------------------
+    def _hang(self) -> Iterable[Metric]:
+        h = self.state.hang
+        yield CounterMetricFamily(
+            _name("hang", "dump_requests"),
+            "Dump requests written at a hang (ranks newly stuck), before collecting the trace.",
+            value=h.requests,
+        )
+        answered = CounterMetricFamily(
+            _name("hang", "dumps_answered"),
+            "Dump requests the rank answered (its state event) before the collection.",
+            labels=["rank"],
+        )
+        unanswered = CounterMetricFamily(
+            _name("hang", "dumps_unanswered"),
+            "Dump requests the live rank did not answer within hang_dump_wait_s (its writer thread "
+            "could not run, or the process is gone).",
+            labels=["rank"],
+        )
+        for rank in sorted({*h.answered, *h.unanswered}):
+            answered.add_metric([str(rank)], h.answered.get(rank, 0))
+            unanswered.add_metric([str(rank)], h.unanswered.get(rank, 0))
+        yield answered
+        yield unanswered
 
     # -- sidecar ------------------------------------------------------------------------------
     def _sidecar(self) -> Iterable[Metric]:

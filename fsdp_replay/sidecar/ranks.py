@@ -3,8 +3,8 @@
 ``RankState.apply(record)`` takes the records a ``trace.follow.SpoolFollower`` yields, in order,
 and keeps counts (records, bytes, events by type, collectives by op, steps), the recording cost the
 agent measured (``step.cpu_ns``: [agent hooks ns, writer ns], cumulative per process), the end
-counters, stuck collectives and the time of the last record. Nothing here reads files or knows
-Prometheus; every value is a plain number, so the unit tests compute them by hand.
+counters, stuck collectives, the dump requests answered and the time of the last record. Nothing
+here reads files or knows Prometheus; every value is a plain number, so the unit tests compute them by hand.
 
 The per-step cost is the statistic ``fsdp-replay inspect`` reports (``analysis.summary.recording_cost``),
 replicated exactly rather than approximated, so the two can be compared to the last bit: the median
@@ -155,6 +155,8 @@ class RankState:
         self.stuck_events = 0
         self.stuck_seq: int | None = None
         """Sequence number of the collective the rank is stuck in (a ``stuck`` event not followed by it)."""
+        self.state_ids: set[int] = set()
+        """Dump requests the rank answered (the ids of its ``state`` events, all attempts)."""
         self.t0_wall_ns: int | None = None
         """Wall-clock time of t_ns == 0 of the current attempt (rank_start.t0_wall_ns)."""
         self.last_t_ns: int | None = None
@@ -228,6 +230,9 @@ class RankState:
             self.stuck_seq = int(ev["seq"])
             self._saw(int(ev["t_ns"]) + int(ev.get("waited_ns") or 0))
         elif kind == schema.EV_ALIVE:
+            self._saw(int(ev["t_ns"]))
+        elif kind == schema.EV_STATE:
+            self.state_ids.add(int(ev["id"]))
             self._saw(int(ev["t_ns"]))
         elif kind == schema.EV_AGENT_ERROR:
             self.agent_error_events += 1

@@ -35,6 +35,7 @@ EV_OOM: Final = "oom"
 EV_FLIGHT_DUMP: Final = "flight_dump"
 EV_CUPTI: Final = "cupti"
 EV_CUPTI_STATE: Final = "cupti_state"
+EV_STATE: Final = "state"
 EV_END: Final = "end"
 
 
@@ -403,6 +404,33 @@ class Alive(TypedDict):
     t_ns: int
 
 
+class State(TypedDict):
+    """What a process was doing when a dump request (``RUN/spool/dump-request``,
+    ``trace/dump_request.py``) asked: written by the agent's writer thread (``agent/state_dump.py``),
+    once per request id, even while the training thread is blocked."""
+
+    type: str
+    id: int
+    """The request's id."""
+    reason: str
+    """The request's reason (``stuck ranks [0]``, ``fsdp-replay dump``)."""
+    t_ns: int
+    t_wall_ns: int
+    step: int
+    micro: int
+    seq: int
+    """The position: the step, micro-step and next collective's sequence number."""
+    recording: bool
+    """False where the agent had stopped recording after an internal error (the stacks still hold)."""
+    inflight: dict[str, Any] | None
+    """The collective the rank waits in (seq, step, op, pg, t_ns, waited_ns), or None."""
+    threads: list[dict[str, Any]]
+    """The Python threads, the main thread first: name, ident, main, agent (one of ours), frames
+    (``[file, line, function, source, lib]``, outermost first, at most ``STATE_MAX_FRAMES``, the
+    innermost kept) and frames_dropped."""
+    threads_dropped: int
+
+
 class _End(TypedDict):
     type: str
     reason: str
@@ -442,6 +470,7 @@ EVENT_TYPES: Final[dict[str, Any]] = {
     EV_FLIGHT_DUMP: FlightDump,
     EV_CUPTI: Cupti,
     EV_CUPTI_STATE: CuptiState,
+    EV_STATE: State,
     EV_END: End,
 }
 EVENT_KEYS: Final[dict[str, frozenset[str]]] = {

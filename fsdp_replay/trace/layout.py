@@ -29,6 +29,10 @@ COLLECT_LOCK_SUFFIX: Final = ".lock"
 # Not a rank spool: the collector and the sidecar read only ``rank-NNNNN`` folders.
 ATTACHED_DIR: Final = "attached"
 ATTACHED_FMT: Final = "{pid}-{host}.json"
+# A request that every rank's agent write its state (threads' stacks, the collective in flight) as
+# a `state` event: one file for all ranks, ``RUN/spool/dump-request``, written by the sidecar at a
+# hang or by ``fsdp-replay dump`` (``trace/dump_request.py``). Not a rank spool either.
+DUMP_REQUEST: Final = "dump-request"
 
 
 def attached_dir(run: str | os.PathLike[str]) -> Path:
@@ -41,6 +45,11 @@ def attached_marker(run: str | os.PathLike[str], pid: int, host: str) -> Path:
     characters: several hosts may share one run folder)."""
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in host) or "host"
     return attached_dir(run) / ATTACHED_FMT.format(pid=pid, host=safe)
+
+
+def dump_request_path(run: str | os.PathLike[str]) -> Path:
+    """The dump request of run folder ``run``."""
+    return Path(run) / SPOOL_DIR / DUMP_REQUEST
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:

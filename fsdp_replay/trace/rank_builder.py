@@ -133,6 +133,7 @@ class RankBuilder:
             "last_alive": None,
             "ooms": [],
             "flight_dumps": [],  # format 3 readers ignore both (docs/trace-format.md)
+            "state_dumps": [],  # answers to dump requests (`state` events); absent in older traces
             "flight_unwritten": 0,
             "damage": [],  # every damaged spool record skipped, of every collection
             "payload_missing": 0,
@@ -559,6 +560,9 @@ class RankBuilder:
 
     def _ev_flight_dump(self, ev: dict[str, Any]) -> None:
         self.attrs["flight_dumps"].append({k: v for k, v in ev.items() if k != "type"})
+
+    def _ev_state(self, ev: dict[str, Any]) -> None:
+        self.attrs["state_dumps"].append({k: v for k, v in ev.items() if k != "type"})
 
     def _ev_end(self, ev: dict[str, Any]) -> None:
         self.attrs["end"] = {k: v for k, v in ev.items() if k != "type"}

@@ -85,6 +85,9 @@ from fsdp_replay.trace.events import (
     EV_SNAPSHOT as EV_SNAPSHOT,
 )
 from fsdp_replay.trace.events import (
+    EV_STATE as EV_STATE,
+)
+from fsdp_replay.trace.events import (
     EV_STEP as EV_STEP,
 )
 from fsdp_replay.trace.events import (
@@ -174,6 +177,9 @@ FLIGHT_BLOB_BASE: Final = 1 << 48
 # A collective in flight this long is written down as `stuck` (so a hang killed by SIGKILL still
 # shows where each rank waited).
 STUCK_AFTER_NS: Final = 2_000_000_000
+# A `state` event's bounds (agent/state_dump.py): frames per thread (the innermost kept), threads.
+STATE_MAX_FRAMES: Final = 48
+STATE_MAX_THREADS: Final = 32
 # Segments roll over past this size so a damaged file costs at most one segment.
 SEGMENT_MAX_BYTES: Final = 64 << 20
 

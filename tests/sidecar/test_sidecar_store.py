@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_support import free_port, sidecar_cmd, sidecar_env, wait_for, wait_metrics
+from daemon_support import free_port, get, sidecar_cmd, sidecar_env, wait_for, wait_metrics
 from harness import CLI, EXAMPLE, child_env, run, small_tmpfs, torchrun_cmd
 
 pytestmark = pytest.mark.slow
@@ -148,18 +148,19 @@ def test_a_hung_job_is_collected_while_it_hangs_and_desync_reads_the_store(tmp_p
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    log = tmp_path / "sidecar.log"
+    log, port = tmp_path / "sidecar.log", free_port()
     with open(log, "w") as err:
-        cmd = sidecar_cmd(out, free_port(), "--no-ebpf", "--poll-interval-s", "0.3", "--store", str(store))
+        cmd = sidecar_cmd(out, port, "--no-ebpf", "--poll-interval-s", "0.3", "--store", str(store))
         sidecar = subprocess.Popen(cmd, stderr=err, text=True, env=sidecar_env())
     try:
 
         def captured() -> bool | None:
             # rank 0 waits in the all-reduce rank 1 skipped, then rank 1 in step 3's first collective:
-            # the collection after both are stuck holds where each waits
+            # the collection after both are stuck (and both wrote their state) holds where each waits
             text = log.read_text()
-            at = text.find("ranks [0, 1] are stuck in a collective: collecting the trace now")
-            return (at >= 0 and f"trace collected into {store}" in text[at:]) or None
+            at = text.find("ranks [0, 1] are stuck in a collective: collecting the trace once every rank")
+            done = text.find("ranks [0, 1] wrote their state", at)
+            return (at >= 0 and done >= 0 and f"trace collected into {store}" in text[done:]) or None
 
         wait_for("the sidecar's collection at the hang", captured, timeout=180, every=0.5)
         assert job.poll() is None  # the job still hangs: nothing was killed
@@ -168,6 +169,20 @@ def test_a_hung_job_is_collected_while_it_hangs_and_desync_reads_the_store(tmp_p
         doc = json.loads(report.stdout)
         waits = {r["rank"]: r["in_flight"] for r in doc["ranks"]}
         assert waits[0] is not None and waits[0]["op"] == "allreduce_", doc["ranks"]
+        # both ranks' answers to the sidecar's last dump request: each waits in a collective
+        states = {r["rank"]: r["state"] for r in doc["ranks"]}
+        assert states[0]["id"] == states[1]["id"] >= 1, states
+        assert all(
+            st["inflight"] is not None and st["reason"].startswith("sidecar:") for st in states.values()
+        )
+        samples = wait_metrics(
+            port,
+            "the hang capture's metrics",
+            lambda m: get(m, "fsdp_replay_hang_dump_requests_total") is not None,
+        )
+        assert get(samples, "fsdp_replay_hang_dump_requests_total") == states[0]["id"]  # one request a hang
+        assert get(samples, "fsdp_replay_hang_dumps_answered_total", rank="1") >= 1
+        assert get(samples, "fsdp_replay_hang_dumps_unanswered_total", rank="1") == 0
         assert list((out / "spool").glob("rank-*"))  # the job runs on: its spools are kept
     finally:
         sidecar.send_signal(signal.SIGTERM)
