@@ -197,3 +197,46 @@ def test_without_bpf_privileges_it_runs_without_ebpf_and_says_so_once(tmp_path: 
     text = log.read_text()
     assert sc.returncode == 0, text[-3000:]
     assert text.count("eBPF unavailable, running without it") == 1, text[-3000:]
+
+
+def test_a_dump_request_that_a_rank_never_answers_is_closed_at_its_deadline(tmp_path: Path) -> None:
+    """The hang capture's wait (sidecar/main.py): rank 0 is stuck in a collective, rank 1 answers
+    the dump request and rank 0 never does (its writer cannot run); the request stays open until
+    --hang-dump-wait-s, then closes with rank 1 answered and rank 0 unanswered, both counted."""
+    from fsdp_replay.trace.dump_request import read_request
+
+    (tmp_path / "proc").mkdir()
+    out = tmp_path / "run"
+    config = SidecarConfig(out=str(out), proc_root=str(tmp_path / "proc"), ebpf=False, hang_dump_wait_s=5.0)
+    sc = Sidecar(config)
+    writers = [spool.SpoolWriter(spool.rank_dir(out / schema.SPOOL_DIR, r), r) for r in range(2)]
+    for r, w in enumerate(writers):
+        w.append(schema.KIND_EVENT, ev.rank_start(r, 1))
+    writers[0].append(schema.KIND_EVENT, ev.stuck(7, "allreduce_", 10, 3_000_000_000))
+    sc.step(now=0.0)
+    assert sc._hang_to_capture() and sc._ask_for_state(10.0)
+    req = read_request(out)
+    assert req is not None and "stuck" in req.reason
+    answer = {
+        "type": schema.EV_STATE,
+        "id": req.id,
+        "reason": req.reason,
+        "t_ns": 20,
+        "t_wall_ns": 20,
+        "step": 0,
+        "micro": 0,
+        "seq": 7,
+        "recording": True,
+        "inflight": None,
+        "threads": [],
+        "threads_dropped": 0,
+    }
+    writers[1].append(schema.KIND_EVENT, answer)
+    sc._follow(final=False)
+    assert not sc._dump_settled(12.0)  # rank 0 has not answered, and there is time left
+    assert sc._dump_settled(15.0)  # the deadline: closed
+    hang = sc.state.hang
+    assert hang.requests == 1 and hang.answered == {1: 1} and hang.unanswered == {0: 1}
+    for w in writers:
+        w.close()
+    sc.shutdown()
