@@ -232,13 +232,41 @@ class RankStore:
             for seq, step in zip(cols["seq"].tolist(), cols["step"].tolist(), strict=True):
                 p.tape_call(seq, step)
         elif table == "payloads":
-            for row, (hi, lo) in enumerate(
-                zip(cols["digest_hi"].tolist(), cols["digest_lo"].tolist(), strict=True)
+            for row, (hi, lo, nbytes) in enumerate(
+                zip(
+                    cols["digest_hi"].tolist(),
+                    cols["digest_lo"].tolist(),
+                    cols["nbytes"].tolist(),
+                    strict=True,
+                )
             ):
-                b._digests.setdefault(f"{hi:016x}{lo:016x}", row)
+                digest = f"{hi:016x}{lo:016x}"
+                if digest not in b.verified:  # (verified: written or read back by this collect)
+                    self._check_blob(digest, int(nbytes))
+                b._digests.setdefault(digest, row)
         if table in SORTED:
             key = cols[SORTED[table]]
             self.last_key[table] = int(key[-1]) if n else None
+
+    def _check_blob(self, digest: str, nbytes: int) -> None:
+        """A blob the rank's rows name must be whole in the store before the group is taken over:
+        a collection that resumes reads only what the spool gained, so a blob damaged or lost
+        after it was written (a store that lost objects, a chunk deleted by hand) would stay so.
+        One that is not is a ``Rebuild``: the rank is collected again from its spool, which writes
+        every blob that does not read back whole. Cheap when whole: its metadata and chunk list;
+        its bytes are read only where chunks are absent (Zarr leaves out chunks of zeros)."""
+        path = schema.blob_path(digest)
+        try:
+            arr = self.root[path]
+        except KeyError:
+            raise Rebuild(f"payload blob {digest} is missing") from None
+        if not isinstance(arr, zarr.Array) or tuple(arr.shape) != (nbytes,):
+            raise Rebuild(f"payload blob {digest} is not an array of {nbytes} bytes")
+        if arr.attrs.get(schema.BLOB_COMPLETE_ATTR) is not True:
+            raise Rebuild(f"payload blob {digest} was left unfinished")
+        absent = nbytes and int(arr.nchunks_initialized) < int(arr.nchunks)
+        if absent and digest_of(np.ascontiguousarray(arr[:]).tobytes()) != digest:
+            raise Rebuild(f"payload blob {digest} has chunks missing")
 
     def _restore(
         self, b: RankBuilder, attrs: dict[str, Any], st: dict[str, Any], ids: dict[str, np.ndarray]

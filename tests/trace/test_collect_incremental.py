@@ -222,3 +222,33 @@ def test_a_reader_that_opened_a_rank_before_a_collection_is_told_it_changed(
     with pytest.raises(TraceFormatError, match="changed while it was read"):
         rank.collectives["seq"]
     assert len(Trace.open(trace).rank(0).collectives["seq"]) > 0  # read again: the new trace
+
+
+def test_a_blob_damaged_after_its_collection_is_written_again_by_the_next_one(
+    finished: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A collection resumes from where the last one read the spool, so it would never meet an
+    old blob again: a new collector checks the blobs each rank names before it takes the rank
+    over; one lost or unfinished since makes it collect that rank anew from its spool."""
+    src, once = finished
+    run = tmp_path / "spool"
+    shutil.copytree(src, run)
+    trace = tmp_path / "trace.zarr"
+    collect(run, trace)
+    blobs = sorted(p for p in (trace / "blobs").glob("*/*") if p.is_dir())
+    assert len(blobs) >= 3
+    for chunk in (blobs[0] / "c").glob("*"):
+        chunk.unlink()  # its bytes lost
+    meta_path = blobs[1] / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["attributes"].pop(schema.BLOB_COMPLETE_ATTR)  # its completion mark lost
+    meta_path.write_text(json.dumps(meta))
+    report = collect(run, trace)
+    assert any("payload blob" in r.rebuilt for r in report.ranks), [r.rebuilt for r in report.ranks]
+    t = Trace.open(trace)
+    for rank in t.ranks:
+        rt = t.rank(rank)
+        for row in range(len(rt.payloads["nbytes"])):
+            rt.payload(row)  # every blob whole again (its digest is checked on read)
+    assert dump(trace) == once
+    assert collect(run, trace).ranks[0].rebuilt == ""  # whole: the next one resumes
