@@ -27,6 +27,7 @@ of its bytes and one event record; it never waits for the host copy, the writer 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
 ALIGN = 256
 """Slot offsets are multiples of this (any dtype's alignment; the copy engines like it too)."""
 
@@ -123,8 +125,6 @@ class PayloadRing:
         self.dev = torch.empty(n, dtype=torch.uint8, device=device)
         self.host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         self.stream = torch.cuda.Stream(device=device)
-        self.staged = 0
-        self.staged_bytes = 0
 
     def stage(self, t: torch.Tensor, nbytes: int) -> tuple[Staged, Any] | None:
         """Copy ``t`` (on this ring's device) into a slot; None when the ring has no room."""
@@ -132,19 +132,18 @@ class PayloadRing:
         if off is None:
             return None
         dev = self.dev[off : off + nbytes]
-        try:
-            typed = dev.view(t.dtype).view(t.shape)
-        except RuntimeError:  # a dtype a byte buffer cannot be viewed as: the plain copy takes it
-            self.space.free(off)
-            raise
         # 1. on the training stream: the bytes as they are now (an in-place write after this
         # point does not reach the slot)
         training = torch.cuda.current_stream(self.device)
-        if self.sm_copy and t.is_contiguous() and nbytes % 4 == 0 and t.data_ptr() % 4 == 0:
-            words = t.detach().reshape(-1).view(torch.uint8).view(torch.int32)
-            torch.bitwise_or(words, 0, out=dev.view(torch.int32))
-        else:
-            typed.copy_(t.detach())
+        try:
+            if self.sm_copy and t.is_contiguous() and nbytes % 4 == 0 and t.data_ptr() % 4 == 0:
+                words = t.detach().reshape(-1).view(torch.uint8).view(torch.int32)
+                torch.bitwise_or(words, 0, out=dev.view(torch.int32))
+            else:
+                dev.view(t.dtype).view(t.shape).copy_(t.detach())
+        except RuntimeError:  # a dtype a byte buffer cannot be viewed as: the plain copy takes it
+            self.space.free(off)
+            raise
         copied = torch.cuda.Event()
         copied.record(training)
         # 2. on the side stream, behind that copy: to the host
@@ -154,8 +153,6 @@ class PayloadRing:
             host.copy_(dev, non_blocking=True)
         ready = torch.cuda.Event(blocking=True)
         ready.record(self.stream)
-        self.staged += 1
-        self.staged_bytes += nbytes
         return Staged(host, self, off), ready
 
 
@@ -178,12 +175,11 @@ class PayloadRings:
                 ring = self._rings[idx] = PayloadRing(torch.device("cuda", idx), self.capacity)
             except (RuntimeError, torch.OutOfMemoryError) as e:  # no memory for it: say so once, go on
                 self.error = f"{type(e).__name__}: {e}"[:300]
+                log.warning(
+                    "fsdp-replay: no payload ring on cuda:%d (%s); device payloads are copied on the "
+                    "training stream",
+                    idx,
+                    self.error,
+                )
                 return None
         return ring
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "ring_staged": sum(r.staged for r in self._rings.values()),
-            "ring_staged_bytes": sum(r.staged_bytes for r in self._rings.values()),
-            "ring_capacity_bytes": sum(r.space.capacity for r in self._rings.values()),
-        }

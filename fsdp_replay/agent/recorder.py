@@ -294,42 +294,49 @@ class Recorder:
         if st.failed:
             return out  # recording stopped: an `alive` mark would claim a record that is not kept
         if self.flight is not None and st.writer is not None:
-            self.flight.idle(st.writer, self.bridge.inflight(st.pos.step) or self.collectives.inflight)
+            self.flight.idle(st.writer, self._inflight())
         stuck = self._stuck()
         if stuck is not None:
             return [*out, stuck]
         return [*out, {"type": schema.EV_ALIVE, "seq": st.pos.seq, "step": st.pos.step, "t_ns": st.t_ns()}]
 
+    def _inflight(self) -> tuple[Any, ...] | None:
+        """The collective being waited in (seq, step, op, pg, t_ns): the C++ kernel's or ours."""
+        return self.bridge.inflight(self.state.pos.step) or self.collectives.inflight
+
+    @staticmethod
+    def _waited(inflight: tuple[Any, ...], now: int) -> dict[str, Any]:
+        """``inflight`` as events name it, with how long it has been waited in."""
+        return {
+            **dict(zip(("seq", "step", "op", "pg", "t_ns"), inflight, strict=True)),
+            "waited_ns": now - int(inflight[4]),
+        }
+
     def _position(self) -> dict[str, Any]:
         """Where the rank is, for a ``state`` event: position, recording, the collective in flight."""
         st = self.state
         now = st.t_ns()
-        inflight = self.bridge.inflight(st.pos.step) or self.collectives.inflight
-        held = None
-        if inflight is not None:
-            held = dict(zip(("seq", "step", "op", "pg", "t_ns"), inflight, strict=True))
-            held["waited_ns"] = now - int(inflight[4])
+        inflight = self._inflight()
         return {
             "t_ns": now,
             "step": st.pos.step,
             "micro": st.pos.micro,
             "seq": st.pos.seq,
             "recording": st.recording and not st.failed,
-            "inflight": held,
+            "inflight": None if inflight is None else self._waited(inflight, now),
         }
 
     def _stuck(self) -> dict[str, Any] | None:
         """The collective this rank has waited in for a while, once."""
         colls = self.collectives
-        inflight = self.bridge.inflight(self.state.pos.step) or colls.inflight
+        inflight = self._inflight()
         if inflight is None or colls.stuck_reported:
             return None
-        waited = self.state.t_ns() - inflight[4]
-        if waited < schema.STUCK_AFTER_NS:
+        held = self._waited(inflight, self.state.t_ns())
+        if held["waited_ns"] < schema.STUCK_AFTER_NS:
             return None
         colls.stuck_reported = True
-        keys = ("seq", "step", "op", "pg", "t_ns")
-        return {"type": schema.EV_STUCK, **dict(zip(keys, inflight, strict=True)), "waited_ns": waited}
+        return {"type": schema.EV_STUCK, **held}
 
     def _counters(self, w: BackgroundWriter, agent_cpu: int) -> dict[str, int]:
         out = counters(self.state, w, agent_cpu)
