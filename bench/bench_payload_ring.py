@@ -63,6 +63,8 @@ class Drain:
         self.q.put(item)
 
     def _run(self) -> None:
+        import torch
+
         while True:
             item = self.q.get()
             if item is None:
@@ -70,7 +72,7 @@ class Drain:
             data, ready, nbytes = item
             ready.synchronize()
             host = getattr(data, "host", data)
-            _ = memoryview(host.numpy()).nbytes  # the writer reads the bytes from here
+            _ = memoryview(host.reshape(-1).view(torch.uint8).numpy()).nbytes  # the writer reads them here
             if hasattr(data, "release"):
                 data.release()
             self.bytes += nbytes

@@ -65,7 +65,7 @@ RESULTS_DIR = REPO / "bench" / "results"
 
 TARGET_CONFIG = "meta"
 # Configurations that measure CUDA capture: on the CPU they would measure nothing.
-CUDA_ONLY = frozenset({"meta-cupti", "torch-profiler"})
+CUDA_ONLY = frozenset({"meta-cupti", "torch-profiler", "meta-torchfp"})
 TARGET_RATIO = 1.03
 TARGET_TEXT = "metadata + fingerprints within 3% of the unrecorded step time"
 NOISY_FRACTION = 0.05  # other processes using more than this share of the CPUs make a run noisy
@@ -81,6 +81,7 @@ class Config:
     train_extra: tuple[str, ...] = ()  # more arguments for the example (another unrecorded program)
     wrapper: str = ""  # a script the example runs under (REPO-relative), e.g. a profiler's
     reference: str = "baseline"  # what it is also compared with, run for run (its own cost)
+    env: tuple[str, ...] = ()  # NAME=VALUE settings of the recorded run
 
     @property
     def recorded(self) -> bool:
@@ -132,6 +133,14 @@ CONFIGS: tuple[Config, ...] = (
         "meta-notape",
         ("--payloads", "none", "--no-tape"),
         "metadata + fingerprints, nondeterministic kernels not taped (--no-tape)",
+    ),
+    Config(
+        "meta-torchfp",
+        ("--payloads", "none"),
+        "metadata + fingerprints, the taped kernels' fingerprints by torch ops instead of the one "
+        "Triton launch (FSDP_REPLAY_TRITON=0)",
+        env=("FSDP_REPLAY_TRITON=0",),
+        reference="meta",
     ),
     Config(
         "tape-payloads",
@@ -223,6 +232,7 @@ def build_command(cfg: Config, run_dir: Path, train_args: list[str]) -> list[str
     if cfg.record_args is None:
         return train
     return [
+        *(["env", *cfg.env] if cfg.env else []),
         sys.executable,
         "-m",
         "fsdp_replay",

@@ -28,10 +28,12 @@ fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$OUT/machine.txt"
 PART=${1:-all}
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  python3 -m pytest -q -s -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/system/test_gpu.py tests/system/test_gpu_memory.py tests/system/test_cupti_gpu.py tests/agent/test_payload_ring.py tests/agent/test_fingerprint_many.py tests/agent/test_fingerprint_regions.py} -o addopts="" --durations=0 2>&1 | tee "$OUT/gpu-tests.log"
+  python3 -m pytest -q -s -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/system/test_gpu.py tests/system/test_gpu_memory.py tests/system/test_cupti_gpu.py tests/agent/test_payload_ring.py tests/agent/test_fingerprint_many.py tests/agent/test_fingerprint_fused.py tests/agent/test_fingerprint_regions.py} -o addopts="" --durations=0 2>&1 | tee "$OUT/gpu-tests.log"
   echo "gpu tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
-  python3 -m pytest -q -p no:cacheprovider tests/agent/test_native.py tests/agent/test_tape.py -o addopts="" 2>&1 | tee -a "$OUT/gpu-tests.log"
-  echo "native core and tape tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
+  if [ "${GPU_CPU_TESTS:-1}" = 1 ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/agent/test_native.py tests/agent/test_tape.py -o addopts="" 2>&1 | tee -a "$OUT/gpu-tests.log"
+    echo "native core and tape tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
+  fi
 fi
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
   python3 bench/bench_record.py --nproc 1 --device cuda --steps ${BENCH_STEPS:-30} --reps ${BENCH_REPS:-4} \

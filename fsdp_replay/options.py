@@ -167,6 +167,8 @@ def option_env(
 PROCESS_SWITCHES = {
     "FSDP_REPLAY_NATIVE": "0 turns the native fingerprint core off (the torch path gives the same values)",
     "FSDP_REPLAY_CACHE": "where the C++ kernel is built and cached (default ~/.cache/fsdp-replay)",
+    "FSDP_REPLAY_TRITON": "0 turns the one-launch Triton fingerprint of taped CUDA outputs off "
+    "(torch ops give the same values)",
 }
 
 

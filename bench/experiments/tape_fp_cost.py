@@ -1,5 +1,7 @@
 """Host and device time of fingerprinting one taped call's outputs: one pass per output (what the
-tape did before session 7) against one batched pass for all of them (``fingerprint_many``).
+tape did before session 7), one batched torch pass for all of them (``fingerprint_many`` without
+Triton), and the one-launch Triton kernel (``fingerprint/fused.py``, what ``fingerprint_many`` takes
+where Triton runs). The values of the three ways are checked equal first.
 
 The shapes are the cuDNN attention backward's dq, dk, dv at the reference size (batch 16, 16 heads,
 sequence 512, head dim 64, bf16). Rounds interleave the two ways; each round times ``--calls``
@@ -16,7 +18,7 @@ import time
 
 import torch
 
-from fsdp_replay.agent.fingerprint import fingerprint, fingerprint_many
+from fsdp_replay.agent.fingerprint import fingerprint, fingerprint_many, fused
 from fsdp_replay.agent.fingerprint.pending import Pending
 
 
@@ -33,12 +35,27 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
     outs = [torch.randn(16, 16, 512, 64, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    kernel = fused._get()
+    assert kernel, "Triton does not run here"
+
+    def torch_batched() -> list:
+        fused._kernel = False  # fingerprint_many's torch path
+        try:
+            return fingerprint_many(outs)
+        finally:
+            fused._kernel = kernel
+
     ways = {
-        "per output": lambda: [fingerprint(t) for t in outs],
-        "batched": lambda: fingerprint_many(outs),
+        "per output": lambda: [fingerprint(t, "lin64") for t in outs],
+        "batched (torch)": torch_batched,
+        "fused (Triton)": lambda: fingerprint_many(outs),
     }
-    for f in ways.values():  # warm up
-        resolve(f())
+    got = {}
+    for name, f in ways.items():  # warm up, and the same values every way
+        fps = f()
+        resolve(fps)
+        got[name] = [(fp.value(), nf.value()) for fp, nf, _ in fps]
+    assert len({repr(v) for v in got.values()}) == 1, got
     torch.cuda.synchronize()
     host: dict[str, list[float]] = {k: [] for k in ways}
     wall: dict[str, list[float]] = {k: [] for k in ways}

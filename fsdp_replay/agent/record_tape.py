@@ -63,10 +63,11 @@ class TapeRecorder:
             # --tape-payloads none: fingerprints only, so a replay names the kernel (not even small results)
             small = self.stored_steps is None or not self.stored_steps.empty
             outs = [capture.local(t) for t in outputs_of(result)]
-            # one batched pass for all the call's outputs (on CUDA: a fixed number of kernel
-            # launches, one copy and one event), not a pass per output: the tape runs in the
-            # backward of every attention layer, and on a host-bound step each launch counts
-            fps = fingerprint_many(outs) if len(outs) > 1 else [None] * len(outs)
+            # one pass for all the call's outputs (on CUDA: one Triton launch, or a fixed number of
+            # torch launches without Triton; one copy and one event), not a pass per output: the
+            # tape runs in the backward of every attention layer, and on a host-bound step each
+            # launch counts
+            fps = fingerprint_many(outs)
             w.event(
                 {
                     "type": schema.EV_KERNEL_OP,

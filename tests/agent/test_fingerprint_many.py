@@ -210,7 +210,7 @@ def test_the_pending_values_read_their_own_rows() -> None:
     tensors = mixed(seed=4)
     rows, row_of = fpm._lin64_rows(tensors)
     event = FakeEvent()
-    out = fpm._pendings(tensors, row_of, rows.clone(), event)
+    out = fpm._pendings(tensors, row_of, fpm._HostRows(), event, rows.clone())
     assert all(isinstance(fp, fpm.Pending) and isinstance(nf, fpm.Pending) for fp, nf, _ in out)
     assert [(fp.value(), nf.value(), algo) for fp, nf, algo in out] == [
         (*values(t), "lin64") for t in tensors

@@ -128,10 +128,10 @@ def test_the_table_installs_on_cuda_and_tapes_index_add() -> None:
 
 def test_default_kernels_replay_bit_exact_with_the_recorded_results_injected(tmp_path: Path) -> None:
     # The taped results are about 0.8 GB a step here (the attention backward's dq, dk, dv): more
-    # than the writer's default in-memory bound lets wait, so this run raises it.
-    rec = _record(
-        tmp_path, "tape", DEFAULT_KERNELS, SNAPSHOTS, env={"FSDP_REPLAY_MAX_PENDING_BYTES": str(24 << 30)}
-    )
+    # than the writer's default in-memory bound lets wait, and more than the default payload ring
+    # holds (it drops what does not fit, counted), so this run raises both.
+    env = {"FSDP_REPLAY_MAX_PENDING_BYTES": str(24 << 30), "FSDP_REPLAY_PAYLOAD_RING_BYTES": str(8 << 30)}
+    rec = _record(tmp_path, "tape", DEFAULT_KERNELS, SNAPSHOTS, env=env)
     summary = json.loads(run([*CLI, "inspect", str(rec), "--json"]).stdout)
     tape = summary["per_rank"][0]["tape"]
     print("taped ops:", json.dumps(tape), "payload bytes:", summary["per_rank"][0]["payload_bytes"])
@@ -139,8 +139,13 @@ def test_default_kernels_replay_bit_exact_with_the_recorded_results_injected(tmp
     for args in ((), ("--from-step", "4")):
         code, text, doc = _replay(rec, 0, *args)
         assert code == 0 and doc["status"] == "bit-exact", text
-        outputs = summary["per_rank"][0]["tape"]["outputs"]
-        assert doc["tape_calls"] > 0 and doc["tape_matched"] + sum(doc["injected"].values()) == outputs, doc
+        injected = sum(doc["injected"].values())
+        assert doc["tape_calls"] > 0 and injected > 0, doc
+        if not args:  # the whole run: every taped output either matched or was injected
+            assert doc["tape_matched"] + injected == tape["outputs"], doc
+            # most compute the same bits again (the embedding backward always): the replay's
+            # fingerprints (torch ops) equal the recording's (one Triton launch per call)
+            assert doc["tape_matched"] > 0, doc
 
 
 def test_without_the_tape_default_kernels_diverge_and_the_report_says_why(tmp_path: Path) -> None:

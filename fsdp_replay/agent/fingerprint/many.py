@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from fsdp_replay.agent.fingerprint import native
+from fsdp_replay.agent.fingerprint.fused import lin64_fused
 from fsdp_replay.agent.fingerprint.pending import Pending, nbytes_of
 from fsdp_replay.agent.fingerprint.tensor import _nonfinite, fingerprint, lin64_sums
 from fsdp_replay.trace import schema
@@ -238,7 +239,7 @@ class _HostRows:
         return self.rows
 
 
-def _pending_fp(rows: _HostRows, r: int, nbytes: int) -> Any:
+def _pending_fp(rows: Any, r: int, nbytes: int) -> Any:
     def combine(host: torch.Tensor) -> int:
         s, a, b, _ = rows.get(host)[r]
         return combine_lin64(s, a, b, nbytes)
@@ -246,13 +247,14 @@ def _pending_fp(rows: _HostRows, r: int, nbytes: int) -> Any:
     return combine
 
 
-def _pending_nf(rows: _HostRows, r: int) -> Any:
+def _pending_nf(rows: Any, r: int) -> Any:
     return lambda host: bool(rows.get(host)[r][3])
 
 
 def fingerprint_many(tensors: list[torch.Tensor]) -> list[tuple[Any, Any, str]]:
-    """fingerprint() of each tensor. On CUDA: a fixed number of kernel launches for all of them,
-    one device-to-host copy and one event."""
+    """fingerprint() of each tensor. On CUDA: a fixed number of kernel launches for all of them
+    (one for up to ``fused.MAX_TENSORS`` tensors where Triton runs), one device-to-host copy and
+    one event."""
     if not tensors:
         return []
     if tensors[0].device.type == "cpu":
@@ -264,19 +266,24 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[tuple[Any, Any, str]]:
             ]
     if tensors[0].device.type == "cpu" or any(t.device != tensors[0].device for t in tensors):
         return [fingerprint(t) for t in tensors]
-    device = tensors[0].device
+    launched = lin64_fused(tensors)  # a few tensors (a taped op's outputs): one launch
+    if launched is not None:
+        rows_of_slot, event = launched
+        return _pendings(tensors, list(range(len(tensors))), rows_of_slot, event, None)
+    if len(tensors) == 1:
+        return [fingerprint(tensors[0])]  # fewer launches than the batched path's for one
     rows, row_of = _lin64_rows(tensors)
     host = torch.empty(rows.shape, dtype=torch.int64, pin_memory=True)
     host.copy_(rows, non_blocking=True)
     event = torch.cuda.Event(blocking=True)
-    event.record(torch.cuda.current_stream(device))
-    return _pendings(tensors, row_of, host, event)
+    event.record(torch.cuda.current_stream(tensors[0].device))
+    return _pendings(tensors, row_of, _HostRows(), event, host)
 
 
 def _pendings(
-    tensors: list[torch.Tensor], row_of: list[int], host: torch.Tensor, event: Any
+    tensors: list[torch.Tensor], row_of: list[int], shared: Any, event: Any, host: torch.Tensor | None
 ) -> list[tuple[Any, Any, str]]:
-    shared = _HostRows()
+    """``shared.get(host)``: the rows, once ``event`` is done (``_HostRows`` or ``fused``'s)."""
     return [
         (
             Pending(host, event, _pending_fp(shared, r, nbytes_of(t))),

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 ENV_DISABLE = "FSDP_REPLAY_NATIVE"
 _ABI = 32002  # fsdpr_abi() of the C source this module is written for
 # Element kinds of the non-finite check (the C enum); complex numbers are pairs of their real type.
-_KINDS: dict[torch.dtype, int] = {
+KINDS: dict[torch.dtype, int] = {
     torch.float16: 1,
     torch.bfloat16: 2,
     torch.float32: 3,
@@ -43,7 +43,7 @@ PLAIN_DTYPES = frozenset(
     [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
     + [getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)]
 )
-_KINDS.update(dict.fromkeys(PLAIN_DTYPES, 0))
+KINDS.update(dict.fromkeys(PLAIN_DTYPES, 0))
 # float8 and other float formats are not in the table: the torch path takes them.
 
 _SLOTS = 64  # slices a call can take without allocating its output arrays
@@ -178,7 +178,7 @@ def sk64(t: torch.Tensor, slices: int = 1) -> list[tuple[int, bool]] | None:
     c = _core if _loaded else core()
     if c is None or t.device.type != "cpu" or not t.is_contiguous():
         return None
-    kind = _KINDS.get(t.dtype)
+    kind = KINDS.get(t.dtype)
     if kind is None:
         return None
     nbytes = t.numel() * t.element_size()
@@ -235,7 +235,7 @@ def sk64_many(tensors: list[torch.Tensor]) -> list[tuple[int, bool] | None] | No
         sizes: list[int] = []
         kinds: list[int] = []
         for i, t in enumerate(tensors):
-            kind = _KINDS.get(t.dtype)
+            kind = KINDS.get(t.dtype)
             if kind is None or t.device.type != "cpu" or not t.is_contiguous():
                 continue
             n, ptr = t.numel() * t.element_size(), t.data_ptr()

@@ -1,0 +1,228 @@
+"""lin64 of a few CUDA tensors in one kernel launch (Triton): the tape's per-call fingerprint.
+
+A taped op (``agent/tape.py``) runs in the backward of every attention layer, and the steps it
+runs in are usually host-bound: what a call costs is its host time, the torch calls it makes.
+The torch path (``many.py``) takes about fifteen of them per call (a concatenation, reductions,
+index_add_ of the row sums) and measured 400 us of host time per call on the H200 with three
+16 MB outputs. Here one Triton kernel reads each tensor once as int32 words, in tiles of whole
+1024-word rows, and adds its three lin64 sums and its count of non-finite elements into one
+int64 row per tensor with integer atomics, which are exact in any order; the last program to
+finish writes the rows straight into pinned host memory and zeroes the sums for the next launch.
+The host makes three calls (the pinned rows, the launch, the event; a contiguous copy of an
+output that is not) and the writer thread reads the values behind the event (``Pending``), as
+everywhere else.
+
+The values are lin64's, bit for bit (``trace/fingerprint.lin64``). The non-finite flag is the
+native core's: an element is NaN or infinite (its exponent bits all set), read off the words,
+so a sum of finite values past the dtype's range is not a non-finite tensor here.
+
+Where Triton is missing, disabled (``FSDP_REPLAY_TRITON=0``) or the tensors do not fit the
+kernel (more than ``MAX_TENSORS``, a dtype with no bit rule, a size that is not whole words, a
+misaligned start), ``lin64_fused`` returns None and the caller takes the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import struct
+import threading
+from typing import Any
+
+import torch
+
+from fsdp_replay import options
+from fsdp_replay.agent.fingerprint.native import KINDS
+from fsdp_replay.agent.fingerprint.pending import nbytes_of
+from fsdp_replay.trace.fingerprint import LIN64_ROW
+
+log = logging.getLogger(__name__)
+
+ENV_DISABLE = "FSDP_REPLAY_TRITON"
+MAX_TENSORS = 4
+_ROWS = 8  # 1024-word rows per program: 32 KiB read by each
+_WORDS = _ROWS * LIN64_ROW
+# no float arithmetic to fuse: said, so that Triton 3.9+ does not warn about its changing default
+_OPTIONS = {"R": _ROWS, "ROW": LIN64_ROW, "enable_fp_fusion": False}
+
+_lock = threading.Lock()
+_kernel: Any = None  # the compiled entry point, False where Triton cannot be used
+
+
+def _build() -> Any:
+    from fsdp_replay.agent.fingerprint import _fused_kernel  # imports triton
+
+    return _fused_kernel.lin64_kernel
+
+
+def _get() -> Any:
+    global _kernel
+    if _kernel is None:
+        with _lock:
+            if _kernel is None:
+                if not options.process_switch(ENV_DISABLE, default=True):
+                    _kernel = False
+                else:
+                    try:
+                        _kernel = _build()
+                    except Exception as e:  # no Triton here (CPU builds of torch come without it)
+                        log.debug("fused lin64 unavailable: %r", e)
+                        _kernel = False
+    return _kernel
+
+
+def available() -> bool:
+    return bool(_get())
+
+
+_scratch: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch_of(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's sums and program count for launches on the current stream of ``device``:
+    zero between launches (the last program of each leaves them so), and launches on one stream
+    never overlap; another stream gets its own."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    got = _scratch.get(key)
+    if got is None:
+        with _lock:
+            got = _scratch.get(key)
+            if got is None:
+                got = _scratch[key] = (
+                    torch.zeros(MAX_TENSORS * 4, dtype=torch.int64, device=device),
+                    torch.zeros(1, dtype=torch.int32, device=device),
+                )
+    return got
+
+
+def launch(tensors: list[torch.Tensor], host: int) -> bool:
+    """Queue the kernel on the current stream: it writes ``MAX_TENSORS`` rows of 4 int64 at host
+    address ``host`` (row i: lin64's (S, A, B) of ``tensors[i]`` and its count of non-finite
+    elements). False where the kernel does not apply (the caller's torch path then does)."""
+    if not tensors or len(tensors) > MAX_TENSORS:
+        return False
+    device = tensors[0].device
+    kernel = _get()
+    if not kernel:
+        return False
+    args: list[Any] = []
+    keep = []  # contiguous copies, alive until the launch is queued (the allocator orders reuse)
+    ends: list[int] = []
+    blocks = 0
+    for t in tensors:
+        if t.device != device or t.dtype not in KINDS:
+            return False
+        nbytes = nbytes_of(t)
+        if nbytes % 4:
+            return False
+        if not t.is_contiguous():
+            t = t.contiguous()
+            keep.append(t)
+        ptr = t.data_ptr()
+        if ptr % 4:
+            return False
+        n = nbytes // 4
+        args += [ptr, n, KINDS[t.dtype]]
+        blocks += -(-n // _WORDS)
+        ends.append(blocks)
+    for _ in range(MAX_TENSORS - len(tensors)):  # no programs; an address like the others' (i64)
+        args += [args[0], 0, 0]
+        ends.append(blocks)
+    if not blocks:  # only empty tensors: nothing to read
+        ctypes.memset(host, 0, _SLOT_BYTES)
+        return True
+    acc, count = _scratch_of(device)
+    try:
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):  # Triton launches on the current device
+                kernel[(blocks,)](acc, count, host, *args, *ends[:3], **_OPTIONS)
+        else:
+            kernel[(blocks,)](acc, count, host, *args, *ends[:3], **_OPTIONS)
+    except Exception as e:  # its first launch compiles it (a C compiler, a writable cache)
+        _give_up(e)
+        return False
+    del keep
+    return True
+
+
+class _Slots:
+    """Pinned host rows the kernel writes into, taken per call and given back once the writer
+    thread has read them (a slot whose values are never read stays taken: never overwritten).
+    Pinned memory of one allocation for the process's life: no allocator call per fingerprint,
+    and no block that the caching host allocator could hand out while a kernel writes to it."""
+
+    def __init__(self, count: int) -> None:
+        self.slab = torch.empty(count * _SLOT_WORDS, dtype=torch.int64, pin_memory=True)
+        self.base = self.slab.data_ptr()
+        self.free = list(range(count))
+        self.lock = threading.Lock()
+
+    def take(self) -> int | None:
+        with self.lock:
+            return self.free.pop() if self.free else None
+
+    def give_back(self, i: int) -> None:
+        with self.lock:
+            self.free.append(i)
+
+    def address(self, i: int) -> int:
+        return self.base + i * _SLOT_BYTES
+
+    def read(self, i: int) -> list[list[int]]:
+        words = struct.unpack_from(
+            f"<{_SLOT_WORDS}q", (ctypes.c_char * _SLOT_BYTES).from_address(self.address(i))
+        )
+        return [list(words[r * 4 : r * 4 + 4]) for r in range(MAX_TENSORS)]
+
+
+_SLOT_WORDS = MAX_TENSORS * 4
+_SLOT_BYTES = _SLOT_WORDS * 8
+SLOTS = 4096
+_slots: _Slots | None = None
+
+
+class _SlotRows:
+    """One call's rows: read from its slot once, by the writer thread, which then gives it back."""
+
+    __slots__ = ("_rows", "_slot")
+
+    def __init__(self, slot: int) -> None:
+        self._slot = slot
+        self._rows: list[list[int]] | None = None
+
+    def get(self, _host: Any = None) -> list[list[int]]:
+        if self._rows is None:
+            assert _slots is not None
+            self._rows = _slots.read(self._slot)
+            _slots.give_back(self._slot)
+        return self._rows
+
+
+def lin64_fused(tensors: list[torch.Tensor]) -> tuple[_SlotRows, Any] | None:
+    """Launch the kernel for CUDA tensors: (their rows, readable once ``event`` is done; the
+    event), or None where the kernel does not apply or no slot is free."""
+    global _slots
+    if not tensors or tensors[0].device.type != "cuda" or not _get():
+        return None
+    if _slots is None:
+        with _lock:
+            if _slots is None:
+                _slots = _Slots(SLOTS)
+    slot = _slots.take()
+    if slot is None:  # the writer is that far behind: the torch path
+        return None
+    if not launch(tensors, _slots.address(slot)):
+        _slots.give_back(slot)
+        return None
+    event = torch.cuda.Event(blocking=True)
+    event.record(torch.cuda.current_stream(tensors[0].device))
+    return _SlotRows(slot), event
+
+
+def _give_up(e: BaseException) -> None:
+    global _kernel
+    with _lock:
+        if _kernel:
+            log.warning("the fused fingerprint kernel cannot run here (%r): fingerprints use torch ops", e)
+        _kernel = False
