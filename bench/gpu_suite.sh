@@ -3,8 +3,9 @@
 # fit one call: `tests` (the gpu-marked tests and the native core's), `bench` (the
 # recording-overhead benchmark on 1 GPU, default kernels, with and without the tape) and `cupti`
 # (the same benchmark for the CUPTI capture in every step, against torch.profiler's CUDA-only
-# capture of the same steps) and `ring` (the payload ring against the plain copy,
-# bench/bench_payload_ring.py); no argument runs them all. Results go to $OUT (or
+# capture of the same steps), `ring` (the payload ring against the plain copy,
+# bench/bench_payload_ring.py) and `tape` (the tape's cost per step, arms interleaved step by step
+# in one process, bench/bench_tape.py); no argument runs them all. Results go to $OUT (or
 # ./gpu-results). Python packages the image lacks travel as
 # wheels in .whl/.
 set -uo pipefail
@@ -44,6 +45,9 @@ fi
 if [ "$PART" = ring ] || [ "$PART" = all ]; then
   python3 bench/bench_payload_ring.py --reps ${RING_REPS:-10} --steps ${RING_STEPS:-20} \
     --results "$OUT/payload_ring_gpu" 2>&1 | tail -30 | tee "$OUT/bench-ring.log"
+fi
+if [ "$PART" = tape ] || [ "$PART" = all ]; then
+  python3 bench/bench_tape.py --rounds ${TAPE_ROUNDS:-30} --results "$OUT/tape_step_gpu" 2>&1 | tail -20 | tee "$OUT/bench-tape.log"
 fi
 if [ "$PART" = cupti ] || [ "$PART" = all ]; then
   python3 bench/bench_record.py --nproc 1 --device cuda --steps ${BENCH_STEPS:-30} --reps ${BENCH_REPS:-4} \
