@@ -83,6 +83,22 @@ class Tape:
             config, self.state, TensorRecorder(config, self.state), lambda: self.writer, self._fail
         )
         self.op_tape: Any = None
+        self.layouts: dict[str, list[int]] = {}  # op -> [contiguous outputs, strided ones]
+        self._taped = self.recorder.taped
+
+    def count_layouts(self, on: bool) -> None:
+        """While on (the warm-up rounds), count the taped outputs' layouts: a strided one costs the
+        fingerprint a contiguous copy."""
+        from fsdp_replay.agent.tape import outputs_of
+
+        def taped(name: str, call: Any) -> Any:
+            result = self._taped(name, call)
+            counts = self.layouts.setdefault(name, [0, 0])
+            for t in outputs_of(result):
+                counts[0 if t.is_contiguous() else 1] += 1
+            return result
+
+        self.recorder.taped = taped if on else self._taped  # type: ignore[method-assign]
 
     @staticmethod
     def _fail(where: str, e: BaseException) -> None:
@@ -171,6 +187,7 @@ def main() -> int:
         tape = Tape(Path(tmp))
         for r in range(args.warmup + args.rounds):
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
+            tape.count_layouts(r < args.warmup)
             for arm in order:
                 if arm.startswith("tape"):
                     tape.install()
@@ -212,6 +229,7 @@ def main() -> int:
         "machine": {**machine_info(), "gpu": torch.cuda.get_device_name() if cuda else None},
         "config": {**vars(args), "model": vars(cfg), "triton": triton_used},
         "summary": summary,
+        "taped_output_layouts": tape.layouts,
         "times_s": times,
     }
     out = Path(args.results)
@@ -240,6 +258,10 @@ def main() -> int:
             f"| {arm} | {s['step_ms_median']:.2f} | {med:.3f} [{lo:.3f}, {hi:.3f}] | "
             f"{s['taped_calls_per_step']:.0f} | {s['tape_cpu_ms_per_step']:.2f} |"
         )
+    lines += [""] + [
+        f"- taped outputs of `{op}` in the warm-up: {c} contiguous, {n} strided (a contiguous copy each)"
+        for op, (c, n) in sorted(tape.layouts.items())
+    ]
     lines += [
         "",
         "Reading it: each ratio compares a step with the plain step of the same round, so slow drifts of "
