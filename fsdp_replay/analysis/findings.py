@@ -14,6 +14,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+import fsdp_replay
 from fsdp_replay.analysis.desync import desync_report
 from fsdp_replay.analysis.memory import oom_message
 from fsdp_replay.analysis.nonfinite import nonfinite_origin
@@ -248,6 +249,21 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
                 WARNING,
                 f"rank {rank}: damaged spool skipped when collected: {d}",
                 f"fsdp-replay inspect {q} --verify",
+                rank=rank,
+            )
+        )
+    unread = r.get("unread_events") or {}
+    if unread:
+        wrote = ((r.get("environment") or {}).get("versions") or {}).get("fsdp_replay", "?")
+        kinds = ", ".join(f"{k} ({n})" for k, n in sorted(unread.items()))
+        out.append(
+            finding(
+                "unread_events",
+                WARNING,
+                f"rank {rank}: {sum(unread.values())} events of types this fsdp-replay ({fsdp_replay.__version__}) "
+                f"cannot read were written by the agent of fsdp-replay {wrote}: {kinds}; the record counts as "
+                "incomplete from the first of them",
+                f"collect and read the run with fsdp-replay {wrote} or newer: fsdp-replay collect {q}",
                 rank=rank,
             )
         )

@@ -77,6 +77,7 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
         "complete": end is not None,
         "agent_errors": r.attrs.get("agent_errors", []),
         "damage": r.attrs.get("damage", []),
+        "unread_events": r.attrs.get("unread_events", {}),
         "payload_missing": r.attrs.get("payload_missing", 0),
         "attempts": r.attrs.get("attempts", 0),
         "flight_recorder": {  # --payloads window:N (agent/flight.py)

@@ -27,10 +27,11 @@ from typing import Any
 import zarr
 from zarr.abc.store import Store
 
+import fsdp_replay
 from fsdp_replay.errors import TraceFormatError
 from fsdp_replay.trace import layout, schema, spool
 from fsdp_replay.trace.follow import SpoolFollower
-from fsdp_replay.trace.rank_builder import CollectReport, RankBuilder, RankReport, jsonable
+from fsdp_replay.trace.rank_builder import CollectReport, RankBuilder, RankReport, UnknownEventError, jsonable
 from fsdp_replay.trace.rank_store import Cursor, RankStore, segment_created, segment_index
 from fsdp_replay.trace.store import COLUMN_CHUNK, DEFAULT_BLOB_CODEC, Location, open_root
 
@@ -265,6 +266,10 @@ class Collector:
                 state.store.flush(b, self._cursor(f.rank_dir, *where), final=False)
             try:
                 b.event(rec.obj, rec)
+            except UnknownEventError as e:
+                if self.strict:
+                    raise
+                self._unread(b, e)
             except (KeyError, TypeError, ValueError) as e:
                 if self.strict:
                     raise TraceFormatError(
@@ -273,6 +278,19 @@ class Collector:
                 dmg = spool.Damage(str(rec.path), rec.offset, 0, f"unusable event: {e}")
                 b.attrs["damage"].append(str(dmg))
                 b.tracker.incident(f"damaged spool record: {dmg}")
+
+    @staticmethod
+    def _unread(b: RankBuilder, e: UnknownEventError) -> None:
+        """An event a newer agent wrote: counted by type, and the record is incomplete from here
+        (what it said is not known), with a reason that says so rather than calling it damage."""
+        unread = b.attrs["unread_events"]
+        unread[e.kind] = unread.get(e.kind, 0) + 1
+        start = b.attrs["rank_start"] or {}
+        wrote = (start.get("versions") or {}).get("fsdp_replay", "?")
+        b.tracker.incident(
+            f"an event of type {e.kind!r} that this fsdp-replay ({fsdp_replay.__version__}) cannot read, "
+            f"written by the agent of fsdp-replay {wrote}"
+        )
 
     def _damage(self, b: RankBuilder, d: spool.Damage) -> None:
         if self.strict:

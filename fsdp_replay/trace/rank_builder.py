@@ -30,6 +30,16 @@ from fsdp_replay.trace.schema import (
 )
 from fsdp_replay.trace.store import BLOB_CHUNK, DEFAULT_BLOB_CODEC, blob_codecs
 
+
+class UnknownEventError(TraceFormatError):
+    """An event of a type this version does not know: written by a newer agent (its version is in
+    the rank's ``rank_start``), not damage."""
+
+    def __init__(self, kind: str, *, path: str | None = None, offset: int | None = None) -> None:
+        super().__init__(f"unknown event type {kind!r}", path=path, offset=offset)
+        self.kind = kind
+
+
 HELD_TABLES = ("tensors", "batch_tensors", "tape_tensors", "rng")
 """The tables whose ``payload`` column may name a payload the flight recorder held."""
 
@@ -136,6 +146,7 @@ class RankBuilder:
             "state_dumps": [],  # answers to dump requests (`state` events); absent in older traces
             "flight_unwritten": 0,
             "damage": [],  # every damaged spool record skipped, of every collection
+            "unread_events": {},  # event type -> count: written by a newer agent than this collector
             "payload_missing": 0,
         }
         self.attrs[schema.CUPTI_ATTR] = {"states": [], "clock": []}
@@ -268,7 +279,7 @@ class RankBuilder:
         handler: Callable[[dict[str, Any]], None] | None = getattr(self, f"_ev_{kind}", None)
         required = schema.EVENT_KEYS.get(str(kind))
         if handler is None or required is None:
-            raise TraceFormatError(f"unknown event type {kind!r}", path=str(where.path), offset=where.offset)
+            raise UnknownEventError(str(kind), path=str(where.path), offset=where.offset)
         missing = required - ev.keys()
         if missing:
             raise TraceFormatError(

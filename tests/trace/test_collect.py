@@ -23,6 +23,7 @@ from fsdp_replay.errors import TraceFormatError, TraceNotFoundError, TraceVersio
 from fsdp_replay.trace import schema, spool
 from fsdp_replay.trace.collect import CollectReport, collect
 from fsdp_replay.trace.fingerprint import fingerprint
+from fsdp_replay.trace.rank_builder import UnknownEventError
 from fsdp_replay.trace.reader import Trace
 from fsdp_replay.trace.schema import blob_path, digest_of
 
@@ -118,7 +119,9 @@ SHARED_GRAD = np.linspace(-1, 1, 16, dtype=np.float32)  # an all-reduce output: 
 SNAPSHOT_STEP0 = b"PK\x03\x04 a torch.save archive " * 50
 
 
-def write_rank(root: Path, rank: int, world: int = 2) -> RankSpool:
+def write_rank(
+    root: Path, rank: int, world: int = 2, after_step: tuple[dict[str, Any], ...] = ()
+) -> RankSpool:
     rs = RankSpool(spool.rank_dir(root, rank), rank)
     g = np.random.default_rng(rank)
     rs.event(
@@ -215,6 +218,8 @@ def write_rank(root: Path, rank: int, world: int = 2) -> RankSpool:
             "t_ns": 99_000,
         }
     )
+    for ev in after_step:
+        rs.event(ev)
     rng1 = json.dumps({"python": [3, [rank, 9], None], "torch": "BBBB"}).encode()
     rs.event(
         {"type": "rng", "step": 1, "states": {"python": 12, "torch": 23, "numpy": 7, "blob": rs.blob(rng1)}}
@@ -512,6 +517,35 @@ def test_event_missing_a_required_key_is_named(tmp_path: Path) -> None:
         assert str(w.segment_path) in str(e) and "seq" in str(e)
     else:
         assert report.damaged and str(w.segment_path) in report.ranks[0].damage[0]
+
+
+def test_an_event_type_from_a_newer_agent_is_counted_and_ends_the_complete_record_there(
+    tmp_path: Path,
+) -> None:
+    """Not damage: the collector keeps reading, counts the unknown type, and the record is complete
+    only up to the step before it (what the event said is not known); inspect says which version
+    wrote it and what to do. ``strict`` refuses it."""
+    root = tmp_path / schema.SPOOL_DIR
+    write_rank(root, 0, world=1, after_step=({"type": "from_the_future", "step": 0, "t_ns": 99_500},))
+    out = tmp_path / schema.TRACE_DIR
+    report = collect(root, out)
+    assert report.ranks[0].damage == []
+    r0 = Trace.open(out).rank(0)
+    assert r0.attrs["unread_events"] == {"from_the_future": 1}
+    assert r0.attrs["damage"] == []
+    assert r0.attrs["end"]["reason"] == "exit" and len(r0.steps) == 1  # the rest was read
+    completeness = r0.attrs[schema.COMPLETENESS_ATTR]
+    assert not completeness["complete"] and completeness["through_step"] == 0, completeness
+    assert any("'from_the_future' that this fsdp-replay" in r for r in completeness["reasons"]), completeness
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_replay", "inspect", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    found = [f for f in json.loads(proc.stdout)["findings"] if f["kind"] == "unread_events"]
+    assert len(found) == 1 and "from_the_future (1)" in found[0]["message"], found
+    with pytest.raises(UnknownEventError, match="from_the_future"):
+        collect(root, tmp_path / "strict.zarr", strict=True)
 
 
 def test_no_spools_is_a_format_error(tmp_path: Path) -> None:
