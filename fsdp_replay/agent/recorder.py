@@ -342,6 +342,8 @@ class Recorder:
         out = counters(self.state, w, agent_cpu)
         if self.flight is not None:
             out.update(self.flight.ring.counters())
+        if self.tape is not None:
+            out["tape_graph_captured"] = self.tape.captured
         return out
 
     def agent_cpu_ns(self) -> int:

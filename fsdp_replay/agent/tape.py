@@ -174,6 +174,14 @@ class Installed:
     key: str
 
 
+def capturing() -> bool:
+    """A CUDA graph is being captured on this thread's current stream. Taped calls made then are
+    not taped, on both sides: their kernels run later, at each launch of the graph, outside the
+    dispatcher (what the capture computes is not known yet), so a record or a replay of them would
+    read bytes that are not there. They are counted (``OpTape.captured``) and said."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 class OpTape:
     """Wraps the kernels of the taped ops; ``uninstall`` puts the originals back."""
 
@@ -183,6 +191,7 @@ class OpTape:
         self.handler = handler
         self.ops = ops
         self.fail = fail
+        self.captured = 0  # taped calls made while a CUDA graph was captured: not taped
         self.installed: list[Installed] = []
         self._libs: list[Any] = []
         self.pending: list[TapeOp] = []  # the user's ops not defined yet when the tape was installed
@@ -231,6 +240,9 @@ class OpTape:
                 or not handler.active()
                 or torch.are_deterministic_algorithms_enabled()
             ):
+                return call()
+            if capturing():
+                self.captured += 1
                 return call()
             with agent_work():
                 return handler.taped(name, call)

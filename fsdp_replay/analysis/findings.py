@@ -214,6 +214,19 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
             )
         )
     counters = (end or {}).get("counters") or {}
+    if counters.get("tape_graph_captured"):
+        out.append(
+            finding(
+                "tape_graph_captured",
+                WARNING,
+                f"rank {rank}: {counters['tape_graph_captured']} calls of taped (nondeterministic) ops were made "
+                "while a CUDA graph was captured; the graph runs their kernels at each launch, outside the tape, "
+                "so what they computed is not recorded and a replay cannot inject it",
+                "a replay that diverges after a graph launch: record with torch.use_deterministic_algorithms(True) "
+                "around the capture, or without CUDA graphs",
+                rank=rank,
+            )
+        )
     if counters.get("blobs_dropped"):
         ring = int(counters.get("ring_full_drops", 0))
         why = "disk full or the memory bound"

@@ -487,6 +487,12 @@ class Replayer:
             self.key.at_start()
         if missed := env_watch.missed():
             self.notes.append(env_watch.note(missed))
+        if self.op_tape is not None and self.op_tape.captured:
+            self.notes.append(
+                f"{self.op_tape.captured} calls of taped (nondeterministic) ops were made while a CUDA graph was "
+                "captured: the graph runs their kernels at each launch, outside the tape, so what they computed "
+                "was neither recorded nor injected"
+            )
         ghosts = sorted(self.files.ghosts.served) if getattr(self, "files", None) is not None else []
         if ghosts:
             self.notes.append(

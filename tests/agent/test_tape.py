@@ -84,6 +84,59 @@ def test_the_wrapper_sees_the_op_runs_it_unchanged_and_steps_aside_for_agent_wor
     assert len(handler.calls) == 1  # uninstalled: the original kernel again
 
 
+def test_calls_made_while_a_cuda_graph_is_captured_are_counted_not_taped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The graph runs their kernels later, at each launch: neither side can read what they compute.
+    On the CPU the capture is stood in for; the gpu test below captures a real graph."""
+    import fsdp_replay.agent.tape as tape_mod
+
+    lib = torch.library.Library("fsdpr_tape_graph", "DEF")
+    lib.define("double(Tensor x) -> Tensor")
+    lib.impl("double", lambda x: x * 2, "CPU")
+    handler = _Counting()
+    tape = OpTape(handler, tape_ops("fsdpr_tape_graph::double")[-1:], lambda w, e: pytest.fail(f"{w}: {e}"))
+    tape.install()
+    try:
+        x = torch.arange(3.0)
+        monkeypatch.setattr(tape_mod, "capturing", lambda: True)
+        assert torch.equal(torch.ops.fsdpr_tape_graph.double(x), x * 2)  # run, unchanged
+        assert handler.calls == [] and tape.captured == 1
+        monkeypatch.setattr(tape_mod, "capturing", lambda: False)
+        torch.ops.fsdpr_tape_graph.double(x)
+        assert handler.calls == ["fsdpr_tape_graph::double"] and tape.captured == 1
+    finally:
+        tape.uninstall()
+    assert not tape_mod.capturing()  # no capture here (nor CUDA at all)
+
+
+@pytest.mark.gpu
+def test_an_index_add_captured_in_a_cuda_graph_is_counted_and_the_graph_still_runs() -> None:
+    handler = _Counting()
+    tape = OpTape(handler, NONDETERMINISTIC_CUDA_OPS, lambda w, e: pytest.fail(f"{w}: {e}"))
+    tape.install()
+    try:
+        dest = torch.zeros(64, 8, device="cuda")
+        index = torch.randint(0, 64, (4096,), device="cuda")
+        src = torch.ones(4096, 8, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up outside the capture, as torch.cuda.graph asks
+            dest.index_add_(0, index, src)
+        torch.cuda.current_stream().wait_stream(stream)
+        assert handler.calls and tape.captured == 0
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dest.index_add_(0, index, src)
+        assert tape.captured >= 1 and len(handler.calls) == 1
+        dest.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert float(dest.sum()) == 4096 * 8  # the captured kernel ran, untouched by the tape
+    finally:
+        tape.uninstall()
+
+
 def test_a_user_op_defined_after_the_tape_is_installed_later() -> None:
     handler = _Counting()
     tape = OpTape(handler, tape_ops("fsdpr_tape_late::op")[-1:], lambda w, e: pytest.fail(f"{w}: {e}"))
