@@ -201,7 +201,12 @@ def test_the_kernel_compiles_for_hopper_with_the_arguments_launch_passes(
     monkeypatch.setattr(fused, "_kernel", Capture())
     monkeypatch.setattr(fused, "_scratch_of", lambda device: ("acc", "count"))
     host = torch.zeros(16, dtype=torch.int64)
-    for tensors in ([torch.zeros(3000)], [torch.zeros(3000, dtype=torch.bfloat16)] * 3, [torch.zeros(8)] * 4):
+    for tensors in (
+        [torch.zeros(3000)],
+        [torch.zeros(3000, dtype=torch.bfloat16)] * 3,
+        [torch.zeros(8)] * 4,
+        [torch.empty(0), torch.zeros(8)],  # an empty tensor's address can be 0
+    ):
         assert fused.launch(tensors, host.data_ptr())
     names = list(inspect.signature(lin64_kernel.fn).parameters)
     signatures = set()

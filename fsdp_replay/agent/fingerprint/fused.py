@@ -119,15 +119,17 @@ def launch(tensors: list[torch.Tensor], host: int) -> bool:
         if not t.is_contiguous():
             t = t.contiguous()
             keep.append(t)
-        ptr = t.data_ptr()
+        n = nbytes // 4
+        # an empty tensor's address may be 0, which Triton would type i32 (another compilation):
+        # it reads nothing, so any i64 address does
+        ptr = t.data_ptr() if n else host
         if ptr % 4:
             return False
-        n = nbytes // 4
         args += [ptr, n, KINDS[t.dtype]]
         blocks += -(-n // _WORDS)
         ends.append(blocks)
     for _ in range(MAX_TENSORS - len(tensors)):  # no programs; an address like the others' (i64)
-        args += [args[0], 0, 0]
+        args += [host, 0, 0]
         ends.append(blocks)
     if not blocks:  # only empty tensors: nothing to read
         ctypes.memset(host, 0, _SLOT_BYTES)
