@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import queue
 import statistics
 import sys
@@ -41,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import REPO, bootstrap_median, machine_info, portable_command
+from benchlib import REPO, bootstrap_median, machine_info, portable_command, write_results
 
 ARMS = ("plain", "ring", "ring-sm", "direct")
 
@@ -220,8 +219,6 @@ def main() -> int:
         "runs": runs,
     }
     out = Path(args.results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     lines = [
         "# GPU payloads off the training stream: the payload ring against the plain copy",
         "",
@@ -254,8 +251,7 @@ def main() -> int:
         "what does not fit when the host copy cannot keep up. The drain rate is bounded by the ceiling "
         "above; the drain thread here does not write to a disk.",
     ]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, doc, lines)
     return 0
 
 

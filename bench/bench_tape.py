@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import os
 import socket
 import statistics
@@ -42,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import REPO, bootstrap_median, machine_info, portable_command
+from benchlib import REPO, bootstrap_median, machine_info, portable_command, write_results
 
 ARMS = ("plain", "tape", "tape-torchfp", "deterministic")
 REFERENCE = ["--d-model", "1024", "--layers", "8", "--heads", "16", "--seq-len", "512", "--batch-size", "16"]
@@ -233,8 +232,6 @@ def main() -> int:
         "times_s": times,
     }
     out = Path(args.results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
     lines = [
         "# The tape's cost per training step, arms interleaved step by step in one process",
         "",
@@ -269,8 +266,7 @@ def main() -> int:
         "rest of a recording's cost (collectives, step ends, the writer's encoding) is "
         "`bench_record.py`'s `meta-notape`.",
     ]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, doc, lines)
     return 0
 
 

@@ -67,6 +67,14 @@ def bootstrap_median(xs: list[float], reps: int = 2000, seed: int = 0) -> tuple[
     return statistics.median(xs), meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
+def write_results(stem: Path, doc: dict[str, Any], lines: list[str]) -> None:
+    """``stem``.json (the whole document) and ``stem``.md (``lines``), and the table on stdout."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def cpu_times() -> tuple[float, float]:
     """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat."""
     try:

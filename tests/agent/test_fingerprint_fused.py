@@ -199,7 +199,7 @@ def test_the_kernel_compiles_for_hopper_with_the_arguments_launch_passes(
             return lambda *args, **kw: seen.append((args, kw))
 
     monkeypatch.setattr(fused, "_kernel", Capture())
-    monkeypatch.setattr(fused, "_scratch_of", lambda device: ("acc", "count"))
+    monkeypatch.setattr(fused, "_scratch_of", lambda device, stream: ("acc", "count"))
     host = torch.zeros(16, dtype=torch.int64)
     for tensors in (
         [torch.zeros(3000)],

@@ -8,9 +8,9 @@ index_add_ of the row sums) and measured 400 us of host time per call on the H20
 1024-word rows, and adds its three lin64 sums and its count of non-finite elements into one
 int64 row per tensor with integer atomics, which are exact in any order; the last program to
 finish writes the rows straight into pinned host memory and zeroes the sums for the next launch.
-The host makes three calls (the pinned rows, the launch, the event; a contiguous copy of an
-output that is not) and the writer thread reads the values behind the event (``Pending``), as
-everywhere else.
+The host makes two calls (the launch and the event; plus a contiguous copy of an output that
+is not contiguous) and the writer thread reads the values behind the event (``Pending``) from a
+pinned slot taken for the call, as everywhere else.
 
 The values are lin64's, bit for bit (``trace/fingerprint.lin64``). The non-finite flag is the
 native core's: an element is NaN or infinite (its exponent bits all set), read off the words,
@@ -78,11 +78,10 @@ def available() -> bool:
 _scratch: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _scratch_of(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's sums and program count for launches on the current stream of ``device``:
+def _scratch_of(device: torch.device, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's sums and program count for launches on ``stream`` (its handle) of ``device``:
     zero between launches (the last program of each leaves them so), and launches on one stream
     never overlap; another stream gets its own."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     got = _scratch.get(key)
     if got is None:
@@ -96,8 +95,8 @@ def _scratch_of(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return got
 
 
-def launch(tensors: list[torch.Tensor], host: int) -> bool:
-    """Queue the kernel on the current stream: it writes ``MAX_TENSORS`` rows of 4 int64 at host
+def launch(tensors: list[torch.Tensor], host: int, stream: int = 0) -> bool:
+    """Queue the kernel on the current stream (``stream``, its handle): it writes ``MAX_TENSORS`` rows of 4 int64 at host
     address ``host`` (row i: lin64's (S, A, B) of ``tensors[i]`` and its count of non-finite
     elements). False where the kernel does not apply (the caller's torch path then does)."""
     if not tensors or len(tensors) > MAX_TENSORS:
@@ -134,7 +133,7 @@ def launch(tensors: list[torch.Tensor], host: int) -> bool:
     if not blocks:  # only empty tensors: nothing to read
         ctypes.memset(host, 0, _SLOT_BYTES)
         return True
-    acc, count = _scratch_of(device)
+    acc, count = _scratch_of(device, stream)
     try:
         if device.type == "cuda" and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):  # Triton launches on the current device
@@ -214,11 +213,12 @@ def lin64_fused(tensors: list[torch.Tensor]) -> tuple[_SlotRows, Any] | None:
     slot = _slots.take()
     if slot is None:  # the writer is that far behind: the torch path
         return None
-    if not launch(tensors, _slots.address(slot)):
+    stream = torch.cuda.current_stream(tensors[0].device)
+    if not launch(tensors, _slots.address(slot), stream.cuda_stream):
         _slots.give_back(slot)
         return None
     event = torch.cuda.Event(blocking=True)
-    event.record(torch.cuda.current_stream(tensors[0].device))
+    event.record(stream)
     return _SlotRows(slot), event
 
 
