@@ -11,6 +11,13 @@ the writer thread what it holds: the snapshot at or before the window's start an
 since, and a ``flight_dump`` event says what was written and why. A run that ends well writes
 none of it. A SIGKILL loses what is held (the metadata before it is on disk as usual).
 
+A device payload reaches host memory through its GPU's payload ring (``payload_ring.py``), as a
+stored payload does without a window, so the training stream never copies to the host: it is held
+as its ring slot at first, and the writer thread settles it (``settle``: once the slot's copy is
+complete, the bytes move into memory the flight recorder owns and the slot is freed), so a window
+of N steps never occupies the ring. A held payload evicted before it is settled only frees its
+slot; one a dump takes before it is settled is written from the slot.
+
 What is held: the steps from the newest snapshot at or before ``current - steps - lag`` to the
 step in progress, so between N+1 and N+interval steps (plus ``lag``: on a GPU the non-finite
 check runs on the writer thread, up to two steps behind the training thread), and the snapshots
@@ -49,6 +56,7 @@ class Held:
     ready: Any
     last_step: int
     key: Key | None
+    evicted: bool = False  # let go of by the window (its slot, if unsettled, is only freed)
 
 
 @dataclass(slots=True)
@@ -102,13 +110,20 @@ class FlightRecorder:
         self._snapshots: dict[int, HeldSnapshot] = {}
         self._dropped_in: dict[int, int] = {}  # step -> payloads dropped, not yet in a dump
         self._dumped: tuple[int, int, int] | None = None  # steps written so far, their snapshot
-        self._unreported = [0, 0]  # drops since ``take_drops``: count, bytes
+        self._unreported = [0, 0, 0]  # drops since ``take_drops``: count, bytes, ring full
+        # held as a ring slot, handed to a dump or evicted before ``settle`` ran: still to free
+        self._unsettled: dict[int, Held] = {}
+        self.settled = 0  # device payloads moved from their ring slot into held memory
+        self.ring_full = 0  # of ``dropped``: the payload ring had no room
 
     # -- the program's side -------------------------------------------------------------------
-    def hold(self, step: int, fp: Any, nbytes: int, algo: str, copy: Callable[[], tuple[Any, Any]]) -> int:
+    def hold(
+        self, step: int, fp: Any, nbytes: int, algo: str, copy: Callable[[], tuple[Any, Any] | None]
+    ) -> int:
         """The blob id the events of ``step`` name for these bytes: one already held or written
         with the same content (fingerprint, size, algorithm), else a new one holding ``copy()``
-        (data, ready event); ``NO_BLOB`` when the memory bound leaves no room (counted)."""
+        (data, ready event); ``NO_BLOB`` when the memory bound leaves no room, or ``copy`` found
+        none in the payload ring (it returned None): counted."""
         key = (fp, nbytes, algo) if isinstance(fp, int) else None  # a device fingerprint is not known yet
         with self._lock:
             if key is not None and (found := self._keys.get(key)) is not None:
@@ -118,13 +133,11 @@ class FlightRecorder:
                     self._by_step.setdefault(step, []).append(found)
                 return found
             if self.held_bytes + nbytes > self.max_bytes and not self._shrink(nbytes):
-                self.dropped += 1
-                self.dropped_bytes += nbytes
-                self._unreported[0] += 1
-                self._unreported[1] += nbytes
-                self._dropped_in[step] = self._dropped_in.get(step, 0) + 1
-                return schema.NO_BLOB
-            data, ready = copy()
+                return self._drop(step, nbytes)
+            made = copy()
+            if made is None:  # a device payload its GPU's payload ring has no room for now
+                return self._drop(step, nbytes, ring_full=True)
+            data, ready = made
             blob_id = self._next_id
             self._next_id += 1
             self._held[blob_id] = Held(blob_id, data, nbytes, ready, step, key)
@@ -152,6 +165,29 @@ class FlightRecorder:
 
         return blob_id, fill
 
+    def settle(self, held_id: int) -> list[tuple[str, Any]]:
+        """Writer thread (a ``BackgroundWriter.call``): a payload held as its ring slot
+        (``payload_ring.Staged``) moves into host memory of its own and the slot is freed; an
+        evicted one only frees it. Runs after any dump taken before it (the writer's order), so
+        such a dump wrote from the slot itself."""
+        with self._writer_side():
+            held = self._held.get(held_id) or self._unsettled.get(held_id)
+            self._unsettled.pop(held_id, None)
+        if held is None or not hasattr(held.data, "release"):
+            return []
+        staged, ready = held.data, held.ready
+        try:
+            if not held.evicted:
+                if ready is not None:
+                    ready.synchronize()
+                owned = staged.host.clone()  # a CPU copy: releases the GIL for its bytes
+                with self._writer_side():
+                    held.data, held.ready = owned, None
+                self.settled += 1
+        finally:
+            staged.release()
+        return []
+
     def hold_snapshot(self, step: int, state: Any, metas: list[list[Any]], nbytes: int) -> None:
         with self._lock:
             old = self._snapshots.pop(step, None)
@@ -168,11 +204,12 @@ class FlightRecorder:
             if start is not None:
                 self._evict_before(start)
 
-    def take_drops(self) -> tuple[int, int]:
-        """Payloads dropped (count, bytes) since the last call: the step's ``drop`` event."""
+    def take_drops(self) -> tuple[int, int, int]:
+        """Payloads dropped since the last call (count, bytes, of the count those the payload
+        ring had no room for): the step's ``drop`` event."""
         with self._lock:
-            out = (self._unreported[0], self._unreported[1])
-            self._unreported = [0, 0]
+            out = (self._unreported[0], self._unreported[1], self._unreported[2])
+            self._unreported = [0, 0, 0]
         return out
 
     # -- the dump -----------------------------------------------------------------------------
@@ -198,6 +235,7 @@ class FlightRecorder:
                     snap.nbytes = 0
             self._dumped = (first, self.current, snap_step)
             blobs = list(self._held.values())
+            self._unsettled.update((h.id, h) for h in blobs if hasattr(h.data, "release"))
             self._held.clear()
             self.held_bytes = 0
             dropped = sum(self._dropped_in.values())  # since the last dump (older ones: evicted)
@@ -214,9 +252,21 @@ class FlightRecorder:
             "flight_bytes_dropped": self.dropped_bytes,
             "flight_window_shrinks": self.shrinks,
             "flight_dumps": self.dumps,
+            "flight_ring_settled": self.settled,
+            "flight_ring_full_drops": self.ring_full,
         }
 
     # -- inside the lock ----------------------------------------------------------------------
+    def _drop(self, step: int, nbytes: int, ring_full: bool = False) -> int:
+        self.dropped += 1
+        self.dropped_bytes += nbytes
+        self.ring_full += ring_full
+        self._unreported[0] += 1
+        self._unreported[1] += nbytes
+        self._unreported[2] += ring_full
+        self._dropped_in[step] = self._dropped_in.get(step, 0) + 1
+        return schema.NO_BLOB
+
     @contextlib.contextmanager
     def _writer_side(self) -> Iterator[None]:
         """The lock, for the writer thread: given up after LOCK_WAIT_S (see there)."""
@@ -242,6 +292,9 @@ class FlightRecorder:
                 held = self._held.get(blob_id)
                 if held is not None and held.last_step < start:
                     del self._held[blob_id]
+                    held.evicted = True
+                    if hasattr(held.data, "release"):  # its slot: freed by ``settle``
+                        self._unsettled[blob_id] = held
                     self.held_bytes -= held.nbytes
                     if held.key is not None and self._keys.get(held.key) == blob_id:
                         del self._keys[held.key]

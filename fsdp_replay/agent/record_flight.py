@@ -60,15 +60,23 @@ class FlightDumps:
 
     def step_end(self, w: BackgroundWriter, step: int, loss: Any, params: list[Any]) -> None:
         """After the step event of ``step`` (training thread): drops, then the non-finite check."""
-        count, nbytes = self.ring.take_drops()
+        count, nbytes, ring_full = self.ring.take_drops()
         if count:
+            reason = "the flight recorder's memory bound (--max-pending-bytes)"
+            if ring_full:
+                reason = (
+                    f"{ring_full} of them: no room in the GPU's payload ring (--payload-ring-bytes), "
+                    f"the rest: {reason}"
+                    if ring_full < count
+                    else "no room in the GPU's payload ring (--payload-ring-bytes)"
+                )
             w.event(
                 {
                     "type": schema.EV_DROP,
                     "what": "payloads",
                     "count": count,
                     "nbytes": nbytes,
-                    "reason": "the flight recorder's memory bound (--max-pending-bytes)",
+                    "reason": reason,
                 }
             )
         if "nonfinite" in self.ring.fired:

@@ -12,7 +12,7 @@ from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.fingerprint import fingerprint, nbytes_of
 from fsdp_replay.agent.flight import FlightRecorder
 from fsdp_replay.agent.payload_ring import PayloadRings, Staged
-from fsdp_replay.agent.writer import BlobRef
+from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.events import Tensor
 
@@ -86,6 +86,30 @@ class TensorRecorder:
             return None
         return False if staged is None else staged
 
+    def _hold(self, w: BackgroundWriter, t: torch.Tensor, fp: Any, nbytes: int, algo: str) -> int:
+        """Into the flight recorder's memory: a device payload through its GPU's ring, settled
+        into held memory by the writer (``FlightRecorder.settle``), else a plain copy."""
+        assert self.flight is not None
+        how: list[str] = []
+
+        def copy() -> tuple[Any, Any] | None:
+            made = self._stage(t, nbytes)
+            if made is False:
+                how.append("ring full")
+                return None
+            if made is None:
+                return _copy(t)
+            how.append("staged")
+            return made
+
+        blob = self.flight.hold(self.state.pos.step, fp, nbytes, algo, copy)
+        if blob == schema.NO_BLOB:
+            w.count_dropped(nbytes, ring_full=how == ["ring full"])
+        elif how == ["staged"]:
+            flight = self.flight
+            w.call(lambda: flight.settle(blob))
+        return blob
+
     def record(
         self,
         role: str,
@@ -108,9 +132,7 @@ class TensorRecorder:
         if store:
             nbytes = nbytes_of(t)
             if self.flight is not None:
-                blob = self.flight.hold(self.state.pos.step, fp, nbytes, algo, lambda: _copy(t))
-                if blob == schema.NO_BLOB:
-                    w.count_dropped(nbytes)
+                blob = self._hold(w, t, fp, nbytes, algo)
             elif w.pending_bytes + nbytes > self.max_pending_bytes:
                 w.count_dropped(nbytes)
             else:

@@ -343,11 +343,14 @@ class BackgroundWriter:
 
     def _write_held(self, blob_id: int, data: Any, nbytes: int, ready: Any) -> None:
         """A payload the flight recorder held, under the id its events already name (so never
-        deduplicated here: the recorder did that when it held it)."""
+        deduplicated here: the recorder did that when it held it); ``data`` may still be its ring
+        slot (``payload_ring.Staged``), which ``FlightRecorder.settle`` frees after this."""
         if ready is not None:
             ready.synchronize()
         if not self.payloads_off:
-            buf: Any = data if isinstance(data, bytes | bytearray | memoryview) else host_buffer(data)
+            buf: Any = (
+                data if isinstance(data, bytes | bytearray | memoryview) else host_buffer(_host_tensor(data))
+            )
             try:
                 self.spool.append(schema.KIND_BLOB, {"blob": blob_id, "nbytes": nbytes}, buf)
                 self.counters.blobs += 1

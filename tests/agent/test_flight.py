@@ -15,6 +15,7 @@ import torch
 
 from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.flight import FlightRecorder
+from fsdp_replay.agent.payload_ring import RingSpace, Staged
 from fsdp_replay.agent.record_flight import FlightDumps
 from fsdp_replay.agent.writer import BackgroundWriter
 from fsdp_replay.trace import schema, spool
@@ -121,7 +122,7 @@ def test_the_memory_bound_first_shortens_the_window_then_drops_and_counts() -> N
     assert s.hold(3, b"\x05" * 30) == schema.NO_BLOB
     c = s.ring.counters()
     assert (c["flight_blobs_dropped"], c["flight_bytes_dropped"]) == (1, 30)
-    assert s.ring.take_drops() == (1, 30) and s.ring.take_drops() == (0, 0)
+    assert s.ring.take_drops() == (1, 30, 0) and s.ring.take_drops() == (0, 0, 0)
     dump = s.ring.take("nonfinite", "a non-finite loss at the end of step 3", at_step=3)
     assert (dump.first_step, dump.snapshot_step, dump.dropped) == (2, 2, 1)
 
@@ -227,3 +228,91 @@ def test_a_dump_is_written_under_the_ids_its_events_named_and_the_rest_reads_as_
     for step, raw in ((2, data[2]), (3, data[3]), (4, b"late")):
         assert rt.payload(payload[step]) == raw
     assert rt.attrs["flight_unwritten"] == 2 and rt.attrs["payload_missing"] == 0
+
+
+# -- device payloads held as their ring slot, settled by the writer -------------------------------
+class Slots:
+    """The host side of a GPU's payload ring (``payload_ring.py``) without the GPU: a real
+    ``RingSpace`` over a host buffer, slots handed out as ``Staged``. What a device adds (the two
+    copies and their events) is tested on the GPU (tests/system/test_gpu.py)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.space = RingSpace(capacity)
+        self.host = torch.zeros(self.space.capacity, dtype=torch.uint8)
+
+    def stage(self, data: bytes) -> Callable[[], tuple[Any, Any] | None]:
+        def copy() -> tuple[Any, Any] | None:
+            off = self.space.take(len(data))
+            if off is None:
+                return None
+            host = self.host[off : off + len(data)]
+            host.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            return Staged(host, self, off), None  # type: ignore[arg-type]
+
+        return copy
+
+
+def test_a_slot_held_payload_is_settled_into_its_own_memory_and_the_slot_freed() -> None:
+    slots, ring = Slots(4096), FlightRecorder(2, 1 << 20)
+    ring.hold_snapshot(0, {"step": 0}, [], 8)
+    a = ring.hold(0, object(), 1000, "lin64", slots.stage(b"a" * 1000))
+    b = ring.hold(0, object(), 1000, "lin64", slots.stage(b"b" * 1000))
+    assert slots.space.live() == 2
+    assert ring.settle(a) == [] and slots.space.live() == 1
+    slots.host.fill_(0)  # the slot's bytes are reused: the held copy is its own
+    dump = ring.take("exception", "")
+    held = {h.id: h for h in dump.blobs}
+    assert bytes(held[a].data.numpy()) == b"a" * 1000 and held[a].ready is None
+    assert isinstance(held[b].data, Staged)  # taken before it was settled: written from the slot
+    ring.settle(b)
+    assert slots.space.live() == 0 and slots.space.used == 0
+    assert ring.counters()["flight_ring_settled"] == 2
+
+
+def test_a_payload_evicted_before_it_is_settled_only_frees_its_slot() -> None:
+    slots, ring = Slots(4096), FlightRecorder(1, 1 << 20)
+    ring.hold_snapshot(0, {"step": 0}, [], 8)
+    old = ring.hold(0, object(), 500, "lin64", slots.stage(b"x" * 500))
+    for step in (1, 2, 3):
+        ring.hold_snapshot(step, {"step": step}, [], 8)
+        ring.advance(step)  # the window (1 step back to a snapshot) lets step 0 go
+    assert ring.counters()["flight_held_bytes"] == 0 and slots.space.live() == 1
+    ring.settle(old)
+    assert slots.space.live() == 0 and ring.counters()["flight_ring_settled"] == 0
+
+
+def test_a_full_payload_ring_drops_the_payload_and_says_so() -> None:
+    slots, ring = Slots(1024), FlightRecorder(2, 1 << 20)
+    ring.hold_snapshot(0, {"step": 0}, [], 8)
+    assert ring.hold(0, object(), 1000, "lin64", slots.stage(b"a" * 1000)) != schema.NO_BLOB
+    assert ring.hold(0, object(), 1000, "lin64", slots.stage(b"b" * 1000)) == schema.NO_BLOB
+    assert ring.take_drops() == (1, 1000, 1)
+    c = ring.counters()
+    assert (c["flight_blobs_dropped"], c["flight_ring_full_drops"], c["flight_held_bytes"]) == (1, 1, 1000)
+
+
+def test_a_dump_taken_before_the_settle_is_written_from_the_slot(tmp_path: Path) -> None:
+    st = AgentState(payload_now=True)
+    w = BackgroundWriter(spool.SpoolWriter(tmp_path / "spool" / "rank-00000", 0), lambda *_: None)
+    st.writer = w
+    slots, ring = Slots(1 << 16), FlightRecorder(1, 1 << 20)
+    dumps = FlightDumps(ring, st)
+    w.event(_rank_start())
+    ring.hold_snapshot(0, {"step": 0}, [], 8)
+    data = [bytes(range(k, k + 200)) for k in range(3)]
+    for k, raw in enumerate(data):
+        blob = ring.hold(0, _fp(raw), len(raw), "zlib64", slots.stage(raw))
+        w.event(_batch(0, blob, raw))
+        if k < 2:  # the third is settled only after the dump is taken, as a race would have it
+            w.call(lambda b=blob: ring.settle(b))
+    dumps.at_exit(w, "exit", RuntimeError("boom"))
+    w.call(lambda: ring.settle(blob))
+    w.event(_step(0, 1.0))
+    w.event({"type": schema.EV_END, "reason": "exit", "steps": 1, "colls": 0, "t_ns": 9, "counters": {}})
+    assert w.flush(10)
+    w.close()
+    assert slots.space.live() == 0  # every slot freed, the one the dump wrote from too
+    collect(tmp_path / "spool", tmp_path / "trace.zarr")
+    rt = Trace.open(tmp_path / "trace.zarr").rank(0)
+    assert [d["blobs"] for d in rt.attrs["flight_dumps"]] == [3]
+    assert [rt.payload(int(p)) for p in rt.batch_tensors["payload"]] == data

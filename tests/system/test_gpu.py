@@ -318,3 +318,44 @@ def test_replay_from_a_late_snapshot_skips_the_model_on_the_gpu(tmp_path: Path) 
     print(
         "reach step 20: skipped", times["2"]["seconds"], "s; every step computed", times["20"]["seconds"], "s"
     )
+
+
+def test_a_nan_on_the_gpu_dumps_the_window_through_the_payload_ring_and_it_replays_bit_exact(
+    tmp_path: Path,
+) -> None:
+    # #13's flight recorder with device payloads (collective outputs, the tape's results): held as
+    # their payload ring slot, settled by the writer into memory of its own, written at the NaN;
+    # two ranks on the one GPU over gloo, so that the collectives' outputs are CUDA tensors too
+    out = tmp_path / "flight"
+    args = ("--steps", "12", "--layers", "2", "--d-model", "128", "--seq-len", "64")
+    proc = run(
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(out),
+            *("--payloads", "window:4", "--snapshot-every", "2", "--"),
+            *torchrun_cmd(
+                2, EXAMPLE, *args, "--one-gpu", "--nan-at-step", "9", "--nan-rank", "1", "--stop-on-nan"
+            ),
+        ],
+        env=child_env(),
+        check=False,
+    )
+    assert proc.returncode != 0 and "FloatingPointError" in proc.stderr, proc.stderr[-3000:]
+    rt = Trace.open(out / schema.TRACE_DIR).rank(1)
+    dumps = rt.attrs["flight_dumps"]
+    print("flight dumps:", json.dumps(dumps))
+    assert dumps[0]["reason"] == "nonfinite" and (dumps[0]["first_step"], dumps[0]["last_step"]) == (4, 9), (
+        dumps
+    )
+    assert dumps[0]["blobs"] > 0 and all(d["dropped"] == 0 for d in dumps), dumps
+    counters = rt.attrs["end"]["counters"]
+    assert counters["flight_ring_settled"] > 0 and counters["flight_ring_full_drops"] == 0, counters
+    outs = rt.tensors["role"] == schema.ROLE_OUTPUT
+    steps = rt.collectives["step"][rt.tensors["coll"]]
+    assert set(steps[outs & (rt.tensors["payload"] >= 0)].tolist()) >= set(range(4, 10))
+    assert not set(steps[outs & (rt.tensors["payload"] >= 0)].tolist()) & set(range(4))
+    code, text, doc = _replay(out, 1, "--from-step", "4", "--to-step", "9")
+    assert code == 0 and doc["status"] == "bit-exact", text
+    assert doc["verified_steps"] == list(range(4, 10)), text
