@@ -234,8 +234,14 @@ class FlightRecorder:
                     self.snapshot_bytes -= snap.nbytes
                     snap.nbytes = 0
             self._dumped = (first, self.current, snap_step)
-            blobs = list(self._held.values())
-            self._unsettled.update((h.id, h) for h in blobs if hasattr(h.data, "release"))
+            # the window's payloads; older ones (held for a failure seen late: ``lag``) let go
+            blobs = [h for h in self._held.values() if h.last_step >= first]
+            for h in self._held.values():
+                h.evicted = h.last_step < first
+                if h.evicted and h.key is not None and self._keys.get(h.key) == h.id:
+                    del self._keys[h.key]  # (a written one's stays: later steps name it)
+                if hasattr(h.data, "release"):  # its slot: freed by ``settle``
+                    self._unsettled[h.id] = h
             self._held.clear()
             self.held_bytes = 0
             dropped = sum(self._dropped_in.values())  # since the last dump (older ones: evicted)

@@ -316,3 +316,22 @@ def test_a_dump_taken_before_the_settle_is_written_from_the_slot(tmp_path: Path)
     rt = Trace.open(tmp_path / "trace.zarr").rank(0)
     assert [d["blobs"] for d in rt.attrs["flight_dumps"]] == [3]
     assert [rt.payload(int(p)) for p in rt.batch_tensors["payload"]] == data
+
+
+def test_payloads_held_for_a_late_check_but_before_the_window_are_not_written() -> None:
+    # on a GPU the non-finite check runs up to two steps behind (``lag``): the ring holds two
+    # more steps, but a dump for step 9 writes the window's payloads only (from snapshot 4)
+    s = Steps(window=4, every=2)
+    s.ring.lag = 2
+    for step in range(10):
+        s.hold(step, f"step {step}".encode())
+        if step < 9:
+            s.end(step)
+    held = s.ring.counters()["flight_held_bytes"]
+    assert held == sum(len(f"step {k}") for k in range(2, 10))  # steps 2..9: the lag's two more
+    dump = s.ring.take("nonfinite", "", at_step=9)
+    assert (dump.first_step, dump.snapshot_step) == (4, 4)
+    assert sorted(b.data for b in dump.blobs) == sorted(f"step {k}".encode() for k in range(4, 10))
+    # content the dump did not write is held again when it comes back; written content is named
+    assert s.hold(10, b"step 2") not in (s.ids[b"step 9"], schema.NO_BLOB)
+    assert s.hold(10, b"step 9") == dump.blobs[[b.data for b in dump.blobs].index(b"step 9")].id
