@@ -57,6 +57,21 @@ CASES = textwrap.dedent(
             torch.randn(64, 48, generator=g).t(),
         ],
         "finite values whose float sum overflows": [torch.full((4096,), 3e38)],
+        # read in place (no contiguous copy): the attention backward's dq, dk, dv (views of one
+        # packed gradient), a slice that starts inside its storage, a broadcast (stride 0), and
+        # float64 rows (the non-finite rule reads the odd words)
+        "strided views read in place": [
+            *[p.transpose(1, 2) for p in planted(
+                torch.randn(2, 40, 3, 4, 64, generator=g).to(torch.bfloat16), [7, 9001], float("nan")
+            ).unbind(2)][:2],
+            torch.randn(9, 70, 33, generator=g)[1:8:2, 3:, 1:31],
+            torch.randn(1, 5, 1, 16, generator=g).expand(3, 5, 700, 16),
+        ],
+        "float64 rows and views the kernel copies": [
+            planted(torch.randn(50, 40, 6, generator=g, dtype=torch.float64), [11, 12], float("inf"))[:, 5:, 2:],
+            torch.randn(2, 3, 4, 5, 6, generator=g).permute(1, 0, 3, 2, 4),  # four row dimensions
+            torch.randn(30, 7, generator=g).to(torch.bfloat16)[:, :3],  # rows of 3 halves: no words
+        ],
     }
     """
 )
@@ -160,6 +175,8 @@ def test_fingerprint_many_of_a_taped_calls_outputs_takes_one_launch_on_cuda() ->
             assert _resolve(fingerprint(t, "lin64")[0]) == _resolve(fp)
     # every slot read was given back
     assert fused._slots is not None and len(fused._slots.free) == fused.SLOTS
+    # after the first (Triton's JIT entry point), the launches above called the compiled kernel
+    assert fused._direct, "the direct launch of the compiled kernel was given up (see the log)"
 
 
 @pytest.mark.gpu
@@ -199,6 +216,7 @@ def test_the_kernel_compiles_for_hopper_with_the_arguments_launch_passes(
             return lambda *args, **kw: seen.append((args, kw))
 
     monkeypatch.setattr(fused, "_kernel", Capture())
+    monkeypatch.setattr(fused, "_direct", None)
     monkeypatch.setattr(fused, "_scratch_of", lambda device, stream: ("acc", "count"))
     host = torch.zeros(16, dtype=torch.int64)
     for tensors in (
@@ -206,6 +224,7 @@ def test_the_kernel_compiles_for_hopper_with_the_arguments_launch_passes(
         [torch.zeros(3000, dtype=torch.bfloat16)] * 3,
         [torch.zeros(8)] * 4,
         [torch.empty(0), torch.zeros(8)],  # an empty tensor's address can be 0
+        [torch.zeros(2, 40, 3, 4, 64, dtype=torch.bfloat16)[:, :, i].transpose(1, 2) for i in range(3)],
     ):
         assert fused.launch(tensors, host.data_ptr())
     names = list(inspect.signature(lin64_kernel.fn).parameters)
@@ -226,3 +245,41 @@ def test_the_kernel_compiles_for_hopper_with_the_arguments_launch_passes(
         options=options,
     )
     assert "atom.global" in compiled.asm["ptx"]
+
+
+def _words_in_layout_order(t: torch.Tensor, layout: tuple[int, ...]) -> list[int]:
+    """The words the kernel reads for ``t`` in this layout, in its order (``_one``'s addresses)."""
+    w, d1, d2, s0, s1, s2 = layout
+    storage = torch.frombuffer(bytearray(t.untyped_storage()), dtype=torch.int32)
+    first = t.storage_offset() * t.element_size() // 4
+    out = []
+    for o in range(t.numel() * t.element_size() // 4):
+        r, c = divmod(o, w)
+        r1, i2 = divmod(r, d2)
+        i0, i1 = divmod(r1, d1)
+        out.append(int(storage[first + i0 * s0 + i1 * s1 + i2 * s2 + c]))
+    return out
+
+
+def test_a_strided_view_is_read_in_place_where_its_rows_are_whole_words() -> None:
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randn(2, 40, 3, 4, 64, generator=g).to(torch.bfloat16)
+    read = {
+        "attention gradient (batch, heads, seq, dim)": packed[:, :, 1].transpose(1, 2),
+        "a slice inside its storage": torch.randn(9, 70, 33, generator=g)[1:8:2, 3:, 1:31],
+        "a broadcast": torch.randn(1, 5, 1, 16, generator=g).expand(3, 5, 7, 16),
+        "float64 rows": torch.randn(50, 40, 6, generator=g, dtype=torch.float64)[:, 5:, 2:],
+    }
+    for name, t in read.items():
+        layout = fused._layout(t)
+        assert layout is not None, name
+        want = t.contiguous().reshape(-1).view(torch.uint8).view(torch.int32).tolist()
+        assert _words_in_layout_order(t, layout) == want, name
+    assert fused._layout(packed[:, :, 0].transpose(1, 2)) == (32, 4, 40, 40 * 3 * 4 * 32, 32, 3 * 4 * 32)
+    copied = {
+        "four row dimensions": torch.randn(2, 3, 4, 5, 6).permute(1, 0, 3, 2, 4),
+        "the last dimension strided": torch.randn(64, 48).t(),
+        "rows of 3 halves": torch.randn(30, 7).to(torch.bfloat16)[:, :3],
+    }
+    for name, t in copied.items():
+        assert fused._layout(t) is None, name
