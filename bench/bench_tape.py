@@ -82,19 +82,21 @@ class Tape:
             config, self.state, TensorRecorder(config, self.state), lambda: self.writer, self._fail
         )
         self.op_tape: Any = None
-        self.layouts: dict[str, list[int]] = {}  # op -> [contiguous outputs, strided ones]
+        # op -> [contiguous outputs, strided ones read in place, strided ones copied]
+        self.layouts: dict[str, list[int]] = {}
         self._taped = self.recorder.taped
 
     def count_layouts(self, on: bool) -> None:
-        """While on (the warm-up rounds), count the taped outputs' layouts: a strided one costs the
-        fingerprint a contiguous copy."""
+        """While on (the warm-up rounds), count the taped outputs' layouts: the fused fingerprint
+        reads a strided one in place where its rows are whole words, else copies it first."""
+        from fsdp_replay.agent.fingerprint import fused
         from fsdp_replay.agent.tape import outputs_of
 
         def taped(name: str, call: Any) -> Any:
             result = self._taped(name, call)
-            counts = self.layouts.setdefault(name, [0, 0])
+            counts = self.layouts.setdefault(name, [0, 0, 0])
             for t in outputs_of(result):
-                counts[0 if t.is_contiguous() else 1] += 1
+                counts[0 if t.is_contiguous() else 1 if fused._layout(t) is not None else 2] += 1
             return result
 
         self.recorder.taped = taped if on else self._taped  # type: ignore[method-assign]
@@ -256,8 +258,9 @@ def main() -> int:
             f"{s['taped_calls_per_step']:.0f} | {s['tape_cpu_ms_per_step']:.2f} |"
         )
     lines += [""] + [
-        f"- taped outputs of `{op}` in the warm-up: {c} contiguous, {n} strided (a contiguous copy each)"
-        for op, (c, n) in sorted(tape.layouts.items())
+        f"- taped outputs of `{op}` in the warm-up: {c} contiguous, {n} strided read in place, "
+        f"{k} strided copied first"
+        for op, (c, n, k) in sorted(tape.layouts.items())
     ]
     lines += [
         "",
