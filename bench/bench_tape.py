@@ -96,7 +96,7 @@ class Tape:
             result = self._taped(name, call)
             counts = self.layouts.setdefault(name, [0, 0, 0])
             for t in outputs_of(result):
-                counts[0 if t.is_contiguous() else 1 if fused._layout(t) is not None else 2] += 1
+                counts[0 if t.is_contiguous() else 1 if fused._layout_of(t) is not None else 2] += 1
             return result
 
         self.recorder.taped = taped if on else self._taped  # type: ignore[method-assign]

@@ -119,7 +119,7 @@ def launch(tensors: list[torch.Tensor], host: int, stream: int = 0) -> bool:
         nbytes = nbytes_of(t)
         if nbytes % 4:
             return False
-        layout = _CONTIGUOUS if t.is_contiguous() else _layout(t)
+        layout = _CONTIGUOUS if t.is_contiguous() else _layout_of(t)
         if layout is None:  # a layout the kernel does not read: a contiguous copy
             t = t.contiguous()
             keep.append(t)
@@ -156,6 +156,24 @@ def launch(tensors: list[torch.Tensor], host: int, stream: int = 0) -> bool:
 
 _CONTIGUOUS = (0, 0, 0, 0, 0, 0)
 _I32 = 1 << 31
+
+
+_layouts: dict[tuple[Any, ...], tuple[int, ...] | None] = {}
+
+
+def _layout_of(t: torch.Tensor) -> tuple[int, ...] | None:
+    """``_layout``, remembered per shape, strides and element size (a taped op's outputs have the
+    same ones call after call; the memo is cleared past 4096 entries)."""
+    key = (t.shape, t.stride(), t.element_size())
+    got = _layouts.get(key, _NOT_SEEN)
+    if got is _NOT_SEEN:
+        if len(_layouts) >= 4096:
+            _layouts.clear()
+        got = _layouts[key] = _layout(t)
+    return got
+
+
+_NOT_SEEN: Any = object()
 
 
 def _layout(t: torch.Tensor) -> tuple[int, ...] | None:
