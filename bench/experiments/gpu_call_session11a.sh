@@ -4,11 +4,7 @@
 # step (bench_tape.py, arms interleaved in one process). Results in one archive (the device returns
 # at most 8 files).
 set -uo pipefail
-ROOT=${OUT:-gpu-results}
-R=$ROOT/r
-mkdir -p "$R"
-finish() { tar -C "$R" -czf "$ROOT/results.tar.gz" . && rm -rf "$R"; }
-trap finish EXIT
+source "$(dirname "$0")/gpu_call_archive.sh"
 GPU_CPU_TESTS=0 GPU_TESTS="tests/agent/test_fingerprint_fused.py tests/agent/test_tape.py \
   tests/system/test_gpu.py::test_a_nan_on_the_gpu_dumps_the_window_through_the_payload_ring_and_it_replays_bit_exact \
   tests/system/test_gpu.py::test_default_kernels_replay_bit_exact_with_the_recorded_results_injected" \

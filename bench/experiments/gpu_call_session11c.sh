@@ -4,11 +4,7 @@
 # test: recorded fingerprints equal to the replay's torch-path ones), then a taped call's host time
 # (tape_call_cost.py) and the tape's cost per step (bench_tape.py).
 set -uo pipefail
-ROOT=${OUT:-gpu-results}
-R=$ROOT/r
-mkdir -p "$R"
-finish() { tar -C "$R" -czf "$ROOT/results.tar.gz" . && rm -rf "$R"; }
-trap finish EXIT
+source "$(dirname "$0")/gpu_call_archive.sh"
 GPU_CPU_TESTS=0 GPU_TESTS="tests/agent/test_fingerprint_fused.py tests/agent/test_fingerprint_many.py tests/agent/test_tape.py \
   tests/system/test_gpu.py::test_default_kernels_replay_bit_exact_with_the_recorded_results_injected" \
   OUT=$R timeout 300 bash bench/gpu_suite.sh tests > "$R/suite-tests.log" 2>&1

@@ -4,11 +4,7 @@
 # unrecorded ones (bench_record.py: metadata + fingerprints + the tape, the same without the tape,
 # and deterministic mode, interleaved).
 set -uo pipefail
-ROOT=${OUT:-gpu-results}
-R=$ROOT/r
-mkdir -p "$R"
-finish() { tar -C "$R" -czf "$ROOT/results.tar.gz" . && rm -rf "$R"; }
-trap finish EXIT
+source "$(dirname "$0")/gpu_call_archive.sh"
 OUT=$R GPU_TESTS=none bash bench/gpu_suite.sh none > "$R/suite-setup.log" 2>&1  # installs .whl, builds the core
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 timeout 80 python3 bench/experiments/tape_call_cost.py --calls 200 --rounds 7 > "$R/tape_call_cost.md" 2>&1

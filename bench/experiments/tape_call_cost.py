@@ -20,17 +20,12 @@ from typing import Any
 import torch
 
 from fsdp_replay.agent.fingerprint import fingerprint_many, fused
-from fsdp_replay.agent.fingerprint.pending import Pending
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_tape import Tape
 
-
-def resolve(fps: list) -> None:
-    for fp, nf, _ in fps:
-        for v in (fp, nf):
-            if isinstance(v, Pending):
-                v.value()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tape_fp_cost import resolve
 
 
 def main() -> None:
