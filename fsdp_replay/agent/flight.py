@@ -183,6 +183,7 @@ class FlightRecorder:
                 owned = staged.host.clone()  # a CPU copy: releases the GIL for its bytes
                 with self._writer_side():
                     held.data, held.ready = owned, None
+                    self._unsettled.pop(held_id, None)  # evicted or taken meanwhile: settled now
                 self.settled += 1
         finally:
             staged.release()
