@@ -20,6 +20,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -121,14 +122,32 @@ def version_of(dist: str) -> str:
         return "not installed"
 
 
-def git_commit() -> str | None:
-    try:  # read-only
+def _git(*args: str, env: dict[str, str] | None = None) -> str | None:
+    """A git command's output in the repository, or None where it fails."""
+    try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10, check=False
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=False, env=env
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    """HEAD, and where the working tree differs from it, the tree id of what ran (tracked and
+    untracked files, ignored ones left out), made with a temporary index (the repository's own
+    index is untouched; the files' blobs are added to its object store). A copy whose git
+    metadata is stale (the GPU machine's) is then still traceable: ``git log --format='%H %T'``
+    names the commit whose tree that is."""
+    head = _git("rev-parse", "HEAD")
+    if head is None:
+        return None
+    if _git("status", "--porcelain") == "":
+        return head
+    with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        tree = _git("write-tree", env=env) if _git("add", "-A", env=env) is not None else None
+    return f"{head} with uncommitted changes (working tree {tree or 'unknown'})"
 
 
 def machine_info() -> dict[str, Any]:
