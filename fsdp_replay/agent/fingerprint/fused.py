@@ -144,9 +144,9 @@ def launch(tensors: list[torch.Tensor], host: int, stream: int = 0) -> bool:
     try:
         if device.type == "cuda" and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):  # Triton launches on the current device
-                _run(kernel, blocks, [acc, count, host, *args, *ends[:3]], stream, plain)
+                _run(kernel, blocks, [acc, count, host, *args, *ends[:3]], stream, plain, device)
         else:
-            _run(kernel, blocks, [acc, count, host, *args, *ends[:3]], stream, plain)
+            _run(kernel, blocks, [acc, count, host, *args, *ends[:3]], stream, plain, device)
     except Exception as e:  # its first launch compiles it (a C compiler, a writable cache)
         _give_up(e)
         return False
@@ -204,14 +204,15 @@ def _layout(t: torch.Tensor) -> tuple[int, ...] | None:
 _direct: Any = None  # the compiled kernel, launched without Triton's binding of its arguments
 
 
-def _run(kernel: Any, blocks: int, args: list[Any], stream: int, plain: bool) -> None:
+def _run(kernel: Any, blocks: int, args: list[Any], stream: int, plain: bool, device: torch.device) -> None:
     """Launch for ``blocks`` programs. The first launch goes through Triton's JIT entry point
     (compiling the kernel, once per process and cache), which returns the compiled kernel; later
     launches call that directly, skipping the binding and specialization of 43 arguments (8 of
     the 18 us of host time a launch took on the H200). One compiled kernel serves every call:
     no argument is specialized (``do_not_specialize``), and ``plain`` says that each argument
     has the integer type it had then (addresses i64, the rest i32), else the JIT entry point
-    (which compiles another variant). A direct launch that fails falls back to it for good."""
+    (which compiles another variant). The direct launch is used only once it computed what the
+    JIT entry point computes (``_checked``); one that fails falls back to it for good."""
     global _direct
     direct = _direct
     if direct and plain:
@@ -225,7 +226,39 @@ def _run(kernel: Any, blocks: int, args: list[Any], stream: int, plain: bool) ->
             _direct = False
     compiled = kernel[(blocks,)](*args, **_OPTIONS)
     if direct is None and plain:
-        _direct = compiled if hasattr(compiled, "run") and hasattr(compiled, "__getitem__") else False
+        _direct = _checked(kernel, compiled, device)
+
+
+def _checked(kernel: Any, compiled: Any, device: torch.device) -> Any:
+    """``compiled`` where a direct launch of it writes the rows that Triton's JIT entry point
+    writes, for a probe tensor on a stream of the agent's own (waited for once, at the first
+    launch, which compiled the kernel: the training stream never waits), else False."""
+    if device.type != "cuda" or not (hasattr(compiled, "run") and hasattr(compiled, "__getitem__")):
+        return False
+    try:
+        side = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(side):
+            probe = torch.arange(3 * _WORDS + 5, dtype=torch.float32, device=device).sin_()
+            rows = torch.full((2, _SLOT_WORDS), -1, dtype=torch.int64, pin_memory=True)
+            acc, count = _scratch_of(device, side.cuda_stream)
+            n, blocks = probe.numel(), -(-probe.numel() // _WORDS)
+            for i, how in enumerate(("jit", "direct")):
+                host = rows[i].data_ptr()
+                args = [acc, count, host, probe.data_ptr(), n, KINDS[probe.dtype], *_CONTIGUOUS]
+                args += [host, 0, 0, *_CONTIGUOUS] * (MAX_TENSORS - 1) + [blocks] * 3
+                if how == "jit":
+                    kernel[(blocks,)](*args, **_OPTIONS)
+                else:
+                    compiled[(blocks, 1, 1)](*args, _ROWS, LIN64_ROW, stream=side.cuda_stream)
+        side.synchronize()
+        if torch.equal(rows[0], rows[1]) and rows[0, 0] != -1:
+            return compiled
+        log.warning(
+            "the fused fingerprint kernel's direct launch computed other values: launched by Triton's JIT"
+        )
+    except Exception as e:  # another Triton's compiled-kernel interface
+        log.warning("the fused fingerprint kernel's direct launch failed (%r): launched by Triton's JIT", e)
+    return False
 
 
 class _Slots:
