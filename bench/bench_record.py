@@ -128,6 +128,7 @@ CONFIGS: tuple[Config, ...] = (
         ("--payloads", "window:4"),
         "the flight recorder: every step's payloads held in memory (the last 4 steps and a snapshot), "
         "none written by a run that ends well (the Python kernels: the C++ kernel keeps no payloads)",
+        reference="meta-python",  # its own cost: over metadata-only with the same kernels
     ),
     Config(
         "meta-notape",
