@@ -111,8 +111,6 @@ class FlightRecorder:
         self._dropped_in: dict[int, int] = {}  # step -> payloads dropped, not yet in a dump
         self._dumped: tuple[int, int, int] | None = None  # steps written so far, their snapshot
         self._unreported = [0, 0, 0]  # drops since ``take_drops``: count, bytes, ring full
-        # held as a ring slot, handed to a dump or evicted before ``settle`` ran: still to free
-        self._unsettled: dict[int, Held] = {}
         self.settled = 0  # device payloads moved from their ring slot into held memory
         self.ring_full = 0  # of ``dropped``: the payload ring had no room
 
@@ -124,6 +122,13 @@ class FlightRecorder:
         with the same content (fingerprint, size, algorithm), else a new one holding ``copy()``
         (data, ready event); ``NO_BLOB`` when the memory bound leaves no room, or ``copy`` found
         none in the payload ring (it returned None): counted."""
+        return self.hold_new(step, fp, nbytes, algo, copy)[0]
+
+    def hold_new(
+        self, step: int, fp: Any, nbytes: int, algo: str, copy: Callable[[], tuple[Any, Any] | None]
+    ) -> tuple[int, Held | None]:
+        """``hold``, and the ``Held`` it made (None where it named bytes held or written before,
+        or dropped): what ``settle`` takes for a payload held as its ring slot."""
         key = (fp, nbytes, algo) if isinstance(fp, int) else None  # a device fingerprint is not known yet
         with self._lock:
             if key is not None and (found := self._keys.get(key)) is not None:
@@ -131,21 +136,21 @@ class FlightRecorder:
                 if held is not None and held.last_step < step:
                     held.last_step = step
                     self._by_step.setdefault(step, []).append(found)
-                return found
+                return found, None
             if self.held_bytes + nbytes > self.max_bytes and not self._shrink(nbytes):
-                return self._drop(step, nbytes)
+                return self._drop(step, nbytes), None
             made = copy()
             if made is None:  # a device payload its GPU's payload ring has no room for now
-                return self._drop(step, nbytes, ring_full=True)
+                return self._drop(step, nbytes, ring_full=True), None
             data, ready = made
             blob_id = self._next_id
             self._next_id += 1
-            self._held[blob_id] = Held(blob_id, data, nbytes, ready, step, key)
+            held = self._held[blob_id] = Held(blob_id, data, nbytes, ready, step, key)
             self._by_step.setdefault(step, []).append(blob_id)
             if key is not None:
                 self._keys[key] = blob_id
             self.held_bytes += nbytes
-            return blob_id
+            return blob_id, held
 
     def hold_later(self, step: int) -> tuple[int, Callable[[bytes], None]]:
         """An id for bytes made later on the writer thread (a snapshot step's RNG states), and
@@ -165,17 +170,14 @@ class FlightRecorder:
 
         return blob_id, fill
 
-    def settle(self, held_id: int) -> list[tuple[str, Any]]:
+    def settle(self, held: Held) -> list[tuple[str, Any]]:
         """Writer thread (a ``BackgroundWriter.call``): a payload held as its ring slot
         (``payload_ring.Staged``) moves into host memory of its own and the slot is freed; an
         evicted one only frees it. Runs after any dump taken before it (the writer's order), so
         such a dump wrote from the slot itself."""
-        with self._writer_side():
-            held = self._held.get(held_id) or self._unsettled.get(held_id)
-            self._unsettled.pop(held_id, None)
-        if held is None or not hasattr(held.data, "release"):
-            return []
         staged, ready = held.data, held.ready
+        if not hasattr(staged, "release"):
+            return []
         try:
             if not held.evicted:
                 if ready is not None:
@@ -183,7 +185,6 @@ class FlightRecorder:
                 owned = staged.host.clone()  # a CPU copy: releases the GIL for its bytes
                 with self._writer_side():
                     held.data, held.ready = owned, None
-                    self._unsettled.pop(held_id, None)  # evicted or taken meanwhile: settled now
                 self.settled += 1
         finally:
             staged.release()
@@ -238,11 +239,9 @@ class FlightRecorder:
             # the window's payloads; older ones (held for a failure seen late: ``lag``) let go
             blobs = [h for h in self._held.values() if h.last_step >= first]
             for h in self._held.values():
-                h.evicted = h.last_step < first
+                h.evicted = h.last_step < first  # (a slot's: freed by ``settle``)
                 if h.evicted and h.key is not None and self._keys.get(h.key) == h.id:
                     del self._keys[h.key]  # (a written one's stays: later steps name it)
-                if hasattr(h.data, "release"):  # its slot: freed by ``settle``
-                    self._unsettled[h.id] = h
             self._held.clear()
             self.held_bytes = 0
             dropped = sum(self._dropped_in.values())  # since the last dump (older ones: evicted)
@@ -299,9 +298,7 @@ class FlightRecorder:
                 held = self._held.get(blob_id)
                 if held is not None and held.last_step < start:
                     del self._held[blob_id]
-                    held.evicted = True
-                    if hasattr(held.data, "release"):  # its slot: freed by ``settle``
-                        self._unsettled[blob_id] = held
+                    held.evicted = True  # (a slot's: freed by ``settle``)
                     self.held_bytes -= held.nbytes
                     if held.key is not None and self._keys.get(held.key) == blob_id:
                         del self._keys[held.key]

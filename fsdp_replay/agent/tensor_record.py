@@ -102,12 +102,12 @@ class TensorRecorder:
             how.append("staged")
             return made
 
-        blob = self.flight.hold(self.state.pos.step, fp, nbytes, algo, copy)
+        blob, held = self.flight.hold_new(self.state.pos.step, fp, nbytes, algo, copy)
         if blob == schema.NO_BLOB:
             w.count_dropped(nbytes, ring_full=how == ["ring full"])
-        elif how == ["staged"]:
-            flight = self.flight
-            w.call(lambda: flight.settle(blob))
+        elif held is not None and how == ["staged"]:
+            settle = self.flight.settle
+            w.call(lambda: settle(held))
         return blob
 
     def record(

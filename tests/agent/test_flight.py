@@ -8,13 +8,14 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fsdp_replay.agent.counters import AgentState
-from fsdp_replay.agent.flight import FlightRecorder
+from fsdp_replay.agent.flight import FlightRecorder, Held
 from fsdp_replay.agent.payload_ring import RingSpace, Staged
 from fsdp_replay.agent.record_flight import FlightDumps
 from fsdp_replay.agent.writer import BackgroundWriter
@@ -255,16 +256,16 @@ class Slots:
 def test_a_slot_held_payload_is_settled_into_its_own_memory_and_the_slot_freed() -> None:
     slots, ring = Slots(4096), FlightRecorder(2, 1 << 20)
     ring.hold_snapshot(0, {"step": 0}, [], 8)
-    a = ring.hold(0, object(), 1000, "lin64", slots.stage(b"a" * 1000))
-    b = ring.hold(0, object(), 1000, "lin64", slots.stage(b"b" * 1000))
-    assert slots.space.live() == 2
-    assert ring.settle(a) == [] and slots.space.live() == 1
+    a, held_a = ring.hold_new(0, object(), 1000, "lin64", slots.stage(b"a" * 1000))
+    b, held_b = ring.hold_new(0, object(), 1000, "lin64", slots.stage(b"b" * 1000))
+    assert held_a is not None and held_b is not None and slots.space.live() == 2
+    assert ring.settle(held_a) == [] and slots.space.live() == 1
     slots.host.fill_(0)  # the slot's bytes are reused: the held copy is its own
     dump = ring.take("exception", "")
     held = {h.id: h for h in dump.blobs}
     assert bytes(held[a].data.numpy()) == b"a" * 1000 and held[a].ready is None
     assert isinstance(held[b].data, Staged)  # taken before it was settled: written from the slot
-    ring.settle(b)
+    ring.settle(held_b)
     assert slots.space.live() == 0 and slots.space.used == 0
     assert ring.counters()["flight_ring_settled"] == 2
 
@@ -272,7 +273,8 @@ def test_a_slot_held_payload_is_settled_into_its_own_memory_and_the_slot_freed()
 def test_a_payload_evicted_before_it_is_settled_only_frees_its_slot() -> None:
     slots, ring = Slots(4096), FlightRecorder(1, 1 << 20)
     ring.hold_snapshot(0, {"step": 0}, [], 8)
-    old = ring.hold(0, object(), 500, "lin64", slots.stage(b"x" * 500))
+    _, old = ring.hold_new(0, object(), 500, "lin64", slots.stage(b"x" * 500))
+    assert old is not None
     for step in (1, 2, 3):
         ring.hold_snapshot(step, {"step": step}, [], 8)
         ring.advance(step)  # the window (1 step back to a snapshot) lets step 0 go
@@ -301,12 +303,14 @@ def test_a_dump_taken_before_the_settle_is_written_from_the_slot(tmp_path: Path)
     ring.hold_snapshot(0, {"step": 0}, [], 8)
     data = [bytes(range(k, k + 200)) for k in range(3)]
     for k, raw in enumerate(data):
-        blob = ring.hold(0, _fp(raw), len(raw), "zlib64", slots.stage(raw))
+        blob, made = ring.hold_new(0, _fp(raw), len(raw), "zlib64", slots.stage(raw))
+        assert made is not None
+        held: Held = made
         w.event(_batch(0, blob, raw))
         if k < 2:  # the third is settled only after the dump is taken, as a race would have it
-            w.call(lambda b=blob: ring.settle(b))
+            w.call(partial(ring.settle, held))
     dumps.at_exit(w, "exit", RuntimeError("boom"))
-    w.call(lambda: ring.settle(blob))
+    w.call(partial(ring.settle, held))
     w.event(_step(0, 1.0))
     w.event({"type": schema.EV_END, "reason": "exit", "steps": 1, "colls": 0, "t_ns": 9, "counters": {}})
     assert w.flush(10)
