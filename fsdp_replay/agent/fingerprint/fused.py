@@ -108,17 +108,44 @@ def launch(tensors: list[torch.Tensor], host: int, stream: int = 0) -> bool:
     kernel = _get()
     if not kernel:
         return False
+    built = _arguments(tensors, host)
+    if built is None:
+        return False
+    args, blocks, plain, keep = built
+    if not blocks:  # only empty tensors: nothing to read
+        ctypes.memset(host, 0, _SLOT_BYTES)
+        return True
+    acc, count = _scratch_of(device, stream)
+    try:
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):  # Triton launches on the current device
+                _run(kernel, blocks, [acc, count, host, *args], stream, plain, device)
+        else:
+            _run(kernel, blocks, [acc, count, host, *args], stream, plain, device)
+    except Exception as e:  # its first launch compiles it (a C compiler, a writable cache)
+        _give_up(e)
+        return False
+    del keep
+    return True
+
+
+def _arguments(tensors: list[torch.Tensor], host: int) -> tuple[list[Any], int, bool, list[Any]] | None:
+    """The kernel's arguments after (acc, count, host) for ``tensors`` (at most MAX_TENSORS, on
+    one device), its program count, whether every argument has the integer type of the first
+    launch's (``_run``), and the contiguous copies to keep alive until the launch is queued; None
+    where the kernel does not apply."""
+    device = tensors[0].device
     args: list[Any] = []
-    keep = []  # contiguous copies, alive until the launch is queued (the allocator orders reuse)
+    keep = []  # contiguous copies (the allocator orders their reuse after the launch)
     ends: list[int] = []
     blocks = 0
-    plain = host >= _I32  # every argument typed as in the first launch (``_run``)
+    plain = host >= _I32
     for t in tensors:
         if t.device != device or t.dtype not in KINDS:
-            return False
+            return None
         nbytes = nbytes_of(t)
         if nbytes % 4:
-            return False
+            return None
         layout = _CONTIGUOUS if t.is_contiguous() else _layout_of(t)
         if layout is None:  # a layout the kernel does not read: a contiguous copy
             t = t.contiguous()
@@ -129,7 +156,7 @@ def launch(tensors: list[torch.Tensor], host: int, stream: int = 0) -> bool:
         # it reads nothing, so any i64 address does
         ptr = t.data_ptr() if n else host
         if ptr % 4:
-            return False
+            return None
         args += [ptr, n, KINDS[t.dtype], *layout]
         plain = plain and n < _I32 and ptr >= _I32
         blocks += -(-n // _WORDS)
@@ -137,21 +164,7 @@ def launch(tensors: list[torch.Tensor], host: int, stream: int = 0) -> bool:
     for _ in range(MAX_TENSORS - len(tensors)):  # no programs; an address like the others' (i64)
         args += [host, 0, 0, *_CONTIGUOUS]
         ends.append(blocks)
-    if not blocks:  # only empty tensors: nothing to read
-        ctypes.memset(host, 0, _SLOT_BYTES)
-        return True
-    acc, count = _scratch_of(device, stream)
-    try:
-        if device.type == "cuda" and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):  # Triton launches on the current device
-                _run(kernel, blocks, [acc, count, host, *args, *ends[:3]], stream, plain, device)
-        else:
-            _run(kernel, blocks, [acc, count, host, *args, *ends[:3]], stream, plain, device)
-    except Exception as e:  # its first launch compiles it (a C compiler, a writable cache)
-        _give_up(e)
-        return False
-    del keep
-    return True
+    return [*args, *ends[:3]], blocks, plain, keep
 
 
 _CONTIGUOUS = (0, 0, 0, 0, 0, 0)
@@ -241,11 +254,11 @@ def _checked(kernel: Any, compiled: Any, device: torch.device) -> Any:
             probe = torch.arange(3 * _WORDS + 5, dtype=torch.float32, device=device).sin_()
             rows = torch.full((2, _SLOT_WORDS), -1, dtype=torch.int64, pin_memory=True)
             acc, count = _scratch_of(device, side.cuda_stream)
-            n, blocks = probe.numel(), -(-probe.numel() // _WORDS)
             for i, how in enumerate(("jit", "direct")):
                 host = rows[i].data_ptr()
-                args = [acc, count, host, probe.data_ptr(), n, KINDS[probe.dtype], *_CONTIGUOUS]
-                args += [host, 0, 0, *_CONTIGUOUS] * (MAX_TENSORS - 1) + [blocks] * 3
+                built = _arguments([probe], host)
+                assert built is not None
+                args, blocks = [acc, count, host, *built[0]], built[1]
                 if how == "jit":
                     kernel[(blocks,)](*args, **_OPTIONS)
                 else:
