@@ -13,8 +13,13 @@ round), so that each arm's step is compared with the plain step of the same roun
 * ``tape``: the recording's tape (``agent/tape.py`` + ``agent/record_tape.py``), its taped calls
   written as events by a real writer thread into a spool in a temporary folder, fingerprints only
   (``--tape-payloads none``: what a metadata recording keeps);
+* ``tape-cxx``: the same with the tape's C++ hook stacked on it (``agent/cxx/tape.py``): each call
+  recorded in C++, the fused kernel launched through the driver; its records drained into events
+  after the step, inside the timed region;
 * ``tape-torchfp``: the same with the fingerprints by torch ops instead of the one Triton launch
   (``FSDP_REPLAY_TRITON=0``'s path);
+* ``tape-passthrough``: the tape's kernels installed, every call passed straight to the op's own
+  kernel (the handler inactive): what the dispatcher's call into the Python override costs alone;
 * ``deterministic``: no tape, ``torch.use_deterministic_algorithms(True)`` for the step (what
   bit-exactness costs without the tape; ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` is set for the whole
   process, every arm, as deterministic cuBLAS needs it before cuBLAS starts).
@@ -22,7 +27,8 @@ round), so that each arm's step is compared with the plain step of the same roun
 The tape is installed before its step and removed after it, outside the timed region. A step is
 timed from a device synchronization before it to one after it (wall clock). Reported per arm: the
 median step time, and the median over rounds of (arm's step / plain step of the round) with its
-95% bootstrap interval; the taped calls per step; the agent's own CPU time in the tape's hooks.
+95% bootstrap interval; the taped calls per step; the agent's own CPU time in the tape's hooks;
+the process's CPU time per step (every thread: the training thread, autograd's, the writer's).
 On a machine without CUDA it runs on the CPU (the tape then has no CUDA kernel to tape: a check of
 the harness, not a measurement).
 """
@@ -43,7 +49,7 @@ from typing import Any
 
 from benchlib import REPO, bootstrap_median, machine_info, portable_command, write_results
 
-ARMS = ("plain", "tape", "tape-torchfp", "deterministic")
+ARMS = ("plain", "tape", "tape-cxx", "tape-torchfp", "tape-passthrough", "deterministic")
 REFERENCE = ["--d-model", "1024", "--layers", "8", "--heads", "16", "--seq-len", "512", "--batch-size", "16"]
 REFERENCE += ["--vocab", "8192"]
 
@@ -82,6 +88,9 @@ class Tape:
             config, self.state, TensorRecorder(config, self.state), lambda: self.writer, self._fail
         )
         self.op_tape: Any = None
+        self.passing = False  # tape-passthrough: installed, every call straight to the op's kernel
+        self.cxx = False  # tape-cxx: the C++ hook on top
+        self.native: Any = None
         # op -> [contiguous outputs, strided ones read in place, strided ones copied]
         self.layouts: dict[str, list[int]] = {}
         self._taped = self.recorder.taped
@@ -108,17 +117,48 @@ class Tape:
     def install(self) -> None:
         from fsdp_replay.agent.tape import start_tape
 
-        self.op_tape, error = start_tape(self.recorder, "", self._fail)
+        native = None
+        if self.cxx:
+            from fsdp_replay.agent.cxx.tape import NativeTape, build
+
+            if self.native is None:
+                self.native = NativeTape(build())
+            native = self.native
+        self.op_tape, error = start_tape(
+            _Passing() if self.passing else self.recorder, "", self._fail, native
+        )
         if error:
             raise RuntimeError(error)
+        if native is not None:
+            if self.op_tape.native_error:
+                raise RuntimeError(self.op_tape.native_error)
+            self.recorder.native = native
+            self.recorder.sync_native()
+
+    def drain(self) -> None:
+        self.recorder.drain_native()
+
+    def cpu_ns(self) -> int:
+        return self.state.cpu_ns + (self.native.state.cpu_ns if self.native is not None else 0)
 
     def remove(self) -> None:
         self.op_tape.uninstall()
         self.op_tape = None
+        self.recorder.native = None
 
     def close(self) -> None:
         self.writer.flush(60)
         self.writer.close()
+
+
+class _Passing:
+    """The tape's handler for ``tape-passthrough``: never active, so every call runs only the op."""
+
+    def active(self) -> bool:
+        return False
+
+    def taped(self, name: str, call: Any) -> Any:
+        return call()
 
 
 def main() -> int:
@@ -183,6 +223,7 @@ def main() -> int:
     times: dict[str, list[float]] = {a: [] for a in arms}
     calls: dict[str, list[int]] = {a: [] for a in arms}
     cpu_ms: dict[str, list[float]] = {a: [] for a in arms}
+    proc_ms: dict[str, list[float]] = {a: [] for a in arms}
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-tape-") as tmp:
         tape = Tape(Path(tmp))
@@ -191,15 +232,19 @@ def main() -> int:
             tape.count_layouts(r < args.warmup)
             for arm in order:
                 if arm.startswith("tape"):
+                    tape.passing = arm == "tape-passthrough"
+                    tape.cxx = arm == "tape-cxx"
                     tape.install()
                     fused._kernel = False if arm == "tape-torchfp" else kernel
                 torch.use_deterministic_algorithms(arm == "deterministic")
-                calls0, cpu0 = tape.recorder.calls, tape.state.cpu_ns
+                calls0, cpu0 = tape.recorder.calls, tape.cpu_ns()
                 sync()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step()
+                if arm == "tape-cxx":
+                    tape.drain()  # the records become events at the step's end, on this thread
                 sync()
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 torch.use_deterministic_algorithms(False)
                 if arm.startswith("tape"):
                     tape.remove()
@@ -207,7 +252,8 @@ def main() -> int:
                 if r >= args.warmup:
                     times[arm].append(dt)
                     calls[arm].append(tape.recorder.calls - calls0)
-                    cpu_ms[arm].append((tape.state.cpu_ns - cpu0) / 1e6)
+                    cpu_ms[arm].append((tape.cpu_ns() - cpu0) / 1e6)
+                    proc_ms[arm].append(dc * 1e3)
             print(
                 f"round {r}: " + "  ".join(f"{a} {times[a][-1] * 1e3:.1f} ms" for a in arms if times[a]),
                 flush=True,
@@ -222,6 +268,7 @@ def main() -> int:
             "ratio_to_plain": list(bootstrap_median(ratios)),
             "taped_calls_per_step": statistics.median(calls[arm]),
             "tape_cpu_ms_per_step": statistics.median(cpu_ms[arm]),
+            "process_cpu_ms_per_step": statistics.median(proc_ms[arm]),
         }
     doc: dict[str, Any] = {
         "command": portable_command(),
@@ -247,21 +294,29 @@ def main() -> int:
         f"{args.rounds} rounds after {args.warmup} of warm-up, arms in rotating order",
         "",
         "| arm | step ms (median) | step / plain of the round: median [95% CI] | taped calls a step "
-        "| tape hooks' CPU ms a step |",
-        "|---|---:|---:|---:|---:|",
+        "| tape hooks' CPU ms a step | process CPU ms a step |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for arm in arms:
         s = summary[arm]
         med, lo, hi = s["ratio_to_plain"]
         lines.append(
             f"| {arm} | {s['step_ms_median']:.2f} | {med:.3f} [{lo:.3f}, {hi:.3f}] | "
-            f"{s['taped_calls_per_step']:.0f} | {s['tape_cpu_ms_per_step']:.2f} |"
+            f"{s['taped_calls_per_step']:.0f} | {s['tape_cpu_ms_per_step']:.2f} | "
+            f"{s['process_cpu_ms_per_step']:.1f} |"
         )
     lines += [""] + [
         f"- taped outputs of `{op}` in the warm-up: {c} contiguous, {n} strided read in place, "
         f"{k} strided copied first"
         for op, (c, n, k) in sorted(tape.layouts.items())
     ]
+    if tape.native is not None:
+        ns = tape.native.state
+        lines += [
+            "",
+            f"- the C++ hook (tape-cxx): {ns.calls} calls recorded in C++, {ns.deferred} left to Python; the fused "
+            f"kernel launched from C++: {'yes' if tape.native.cuda else 'no (' + tape.recorder.native_note + ')'}",
+        ]
     lines += [
         "",
         "Reading it: each ratio compares a step with the plain step of the same round, so slow drifts of "

@@ -202,6 +202,9 @@ class RecordConfig:
     ``gpu`` extra (cupti-python); stands aside while another profiler traces (``agent/cupti``)."""
     cxx_kernel_lib: str = ""
     """The C++ kernel library (``agent/cxx/kernel.py``) that records the hot CPU collectives, or empty."""
+    cxx_tape_lib: str = ""
+    """The C++ tape hook's library (``agent/cxx/tape.py``) that records the taped calls of steps
+    that store no payloads, or empty (the Python tape records them all)."""
     inject_fault: str = ""
     """Testing only: ``WHERE:N`` raises inside the agent at the N-th call of WHERE."""
 
@@ -277,6 +280,8 @@ class RecordConfig:
         }
         if self.cxx_kernel_lib:
             env[ENV_PREFIX + "CXX_KERNEL_LIB"] = self.cxx_kernel_lib
+        if self.cxx_tape_lib:
+            env[ENV_PREFIX + "CXX_TAPE_LIB"] = self.cxx_tape_lib
         return env
 
 

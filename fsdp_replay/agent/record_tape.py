@@ -4,10 +4,15 @@ Each call becomes a ``kop`` event: the op, where in the program it ran (step, mi
 number on the tape), and each output's entry: its fingerprint, computed on the device with no
 host synchronization, and its bytes when the step's payloads are stored. The op's own kernel runs
 unchanged: the recorded run stays bit-identical to an unrecorded one.
+
+With the C++ hook (``cxx/tape.py``) stacked on the tape, the calls of steps that store no payloads
+are recorded in C++; ``drain_native`` turns its records into the same events before each step's
+end, and the calls it left to Python (their outputs cloned) are fingerprinted there.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -16,11 +21,21 @@ from typing import Any
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
-from fsdp_replay.agent.fingerprint import fingerprint_many
+from fsdp_replay.agent.fingerprint import Pending, fingerprint_many
 from fsdp_replay.agent.tape import outputs_of
-from fsdp_replay.agent.tensor_record import TensorRecorder
+from fsdp_replay.agent.tensor_record import (
+    SMALL_PAYLOAD_BYTES,
+    TINY_PAYLOAD_BYTES,
+    WARMUP_PAYLOAD_STEPS,
+    TensorRecorder,
+    dtype_name,
+)
 from fsdp_replay.agent.writer import BackgroundWriter
 from fsdp_replay.trace import schema
+from fsdp_replay.trace.events import Tensor
+from fsdp_replay.trace.fingerprint import combine_lin64
+
+log = logging.getLogger(__name__)
 
 
 class TapeRecorder:
@@ -42,6 +57,17 @@ class TapeRecorder:
         self.seq = 0
         self.calls = 0
         self._lock = threading.Lock()  # backward ops run on the autograd engine's threads
+        self.native: Any = None  # the C++ hook (cxx/tape.NativeTape), while stacked on the tape
+        self.native_note = ""  # why its CUDA path is off, once tried
+        self._cuda_tried = False
+
+    def _next_seq(self) -> int:
+        if self.native is not None:  # one numbering for the C++ hook's calls and ours
+            return int(self.native.next_seq())
+        with self._lock:
+            seq = self.seq
+            self.seq += 1
+        return seq
 
     def active(self) -> bool:
         return self.state.recording
@@ -53,31 +79,7 @@ class TapeRecorder:
         ours = gpu.agent(True) if gpu is not None else False
         result = st.program(call)
         try:
-            w = self.start()
-            with self._lock:
-                seq = self.seq
-                self.seq += 1
-            pos = st.pos
-            record = self.tensors.record
-            store = st.payload_now if self.stored_steps is None else pos.step in self.stored_steps
-            # --tape-payloads none: fingerprints only, so a replay names the kernel (not even small results)
-            small = self.stored_steps is None or not self.stored_steps.empty
-            outs = [capture.local(t) for t in outputs_of(result)]
-            # one pass for all the call's outputs (on CUDA: one Triton launch, or a fixed number of
-            # torch launches without Triton; one copy and one event), not a pass per output: the
-            # tape runs in the backward of every attention layer, and on a host-bound step each
-            # launch counts
-            fps = fingerprint_many(outs)
-            w.event(
-                {
-                    "type": schema.EV_KERNEL_OP,
-                    "seq": seq,
-                    "step": pos.step,
-                    "micro": pos.micro,
-                    "op": name,
-                    "tensors": [record("o", t, store, fp, small) for t, fp in zip(outs, fps, strict=True)],
-                }
-            )
+            self._write(name, self._next_seq(), st.pos.step, st.pos.micro, outputs_of(result))
             self.calls += 1
         except Exception as e:  # never the program's: its result is returned unchanged
             self.fail(f"tape {name}", e)
@@ -86,3 +88,147 @@ class TapeRecorder:
                 gpu.agent(ours)
             st.cpu_ns += time.thread_time_ns() - t0 - (st.program_ns - p0)
         return result
+
+    def _write(self, name: str, seq: int, step: int, micro: int, tensors: list[Any]) -> None:
+        """A call's ``kop`` event, its outputs fingerprinted (and stored, by the policy) here."""
+        w = self.start()
+        record = self.tensors.record
+        store = self.state.payload_now if self.stored_steps is None else step in self.stored_steps
+        # --tape-payloads none: fingerprints only, so a replay names the kernel (not even small results)
+        small = self.stored_steps is None or not self.stored_steps.empty
+        outs = [capture.local(t) for t in tensors]
+        # one pass for all the call's outputs (on CUDA: one Triton launch, or a fixed number of
+        # torch launches without Triton; one copy and one event), not a pass per output: the
+        # tape runs in the backward of every attention layer, and on a host-bound step each
+        # launch counts
+        fps = fingerprint_many(outs)
+        w.event(
+            {
+                "type": schema.EV_KERNEL_OP,
+                "seq": seq,
+                "step": step,
+                "micro": micro,
+                "op": name,
+                "tensors": [record("o", t, store, fp, small) for t, fp in zip(outs, fps, strict=True)],
+            }
+        )
+        if self.native is not None and not self._cuda_tried and outs and outs[0].is_cuda:
+            self._arm_native_cuda(outs[0].device)
+
+    # -- the C++ hook ---------------------------------------------------------------------------
+    def _arm_native_cuda(self, device: Any) -> None:
+        """Once the fused kernel is compiled and its direct launch checked (the first taped call's
+        fingerprint did both): let the C++ hook launch it, after a check of its own."""
+        from fsdp_replay.agent.fingerprint import fused
+
+        compiled = fused._direct
+        if compiled is None:
+            return  # not launched yet (a call without device outputs): the next call tries
+        self._cuda_tried = True
+        if not compiled:
+            self.native_note = "the fused fingerprint kernel is not launched directly here"
+        else:
+            try:
+                self.native.set_kernel(compiled, device)
+                return
+            except Exception as e:
+                self.native_note = str(e)
+        log.info("fsdp-replay: taped CUDA calls are recorded by Python: %s", self.native_note)
+
+    def sync_native(self) -> None:
+        """Tell the C++ hook where the program is and whether it may record this step's calls:
+        not while the agent stands aside, while CUPTI traces (our kernels are marked there), or
+        for steps whose payloads are stored (the Python path stores them)."""
+        n = self.native
+        if n is None:
+            return
+        st = self.state
+        pos = st.pos
+        step = pos.step
+        store = st.payload_now if self.stored_steps is None else step in self.stored_steps
+        small = (self.stored_steps is None or not self.stored_steps.empty) and self.tensors.small_always
+        ns = n.state
+        ns.step, ns.micro = step, pos.micro
+        ns.small_limit = (
+            (SMALL_PAYLOAD_BYTES if step < WARMUP_PAYLOAD_STEPS else TINY_PAYLOAD_BYTES) if small else -1
+        )
+        ns.fast = int(st.recording and not store and st.gpu is None)
+
+    def micro(self, micro: int) -> None:
+        if self.native is not None:
+            self.native.state.micro = micro
+
+    def drain_native(self) -> None:
+        """The C++ hook's records as ``kop`` events (before the step's end, and at the end)."""
+        n = self.native
+        if n is None:
+            return
+        records = n.drain()
+        if records:
+            w = self.start()
+            for r in records:
+                name = n.names[r.op] if r.op < len(n.names) else f"#{r.op}"
+                if r.deferred:
+                    self._write(name, r.seq, r.step, r.micro, n.take(r.seq))
+                else:
+                    w.event(self._native_event(n, name, r))
+            self.calls += len(records)
+        if n.state.failed and not self.state.failed:
+            self.fail("C++ tape", RuntimeError(n.error()))
+
+    @staticmethod
+    def _native_event(n: Any, name: str, r: Any) -> dict[str, Any]:
+        rows = _Rows(n, r.slot, r.event) if r.slot >= 0 else None
+        tensors = []
+        for j in range(r.ntensors):
+            t = r.t[j]
+            dtype = dtype_name(native_dtype(t.dtype))
+            shape = list(t.shape[: t.ndim])
+            if t.cuda:
+                assert rows is not None
+                fp: Any = Pending(None, None, rows.fp(j, t.nbytes))
+                nf: Any = Pending(None, None, rows.nf(j))
+                tensors.append(Tensor("o", dtype, shape, fp, schema.FP_LIN64, nf, schema.NO_BLOB, "cuda"))
+            else:
+                tensors.append(
+                    Tensor("o", dtype, shape, t.fp, schema.FP_SK64, bool(t.nf), schema.NO_BLOB, "cpu")
+                )
+        return {
+            "type": schema.EV_KERNEL_OP,
+            "seq": r.seq,
+            "step": r.step,
+            "micro": r.micro,
+            "op": name,
+            "tensors": tensors,
+        }
+
+
+def native_dtype(code: int) -> Any:
+    from fsdp_replay.agent.cxx.tape import dtype_of
+
+    return dtype_of(code)
+
+
+class _Rows:
+    """One C++-recorded call's rows: read once, by the writer thread (it waits for the event)."""
+
+    __slots__ = ("_event", "_native", "_rows", "_slot")
+
+    def __init__(self, native: Any, slot: int, event: int) -> None:
+        self._native, self._slot, self._event = native, slot, event
+        self._rows: list[list[int]] | None = None
+
+    def get(self) -> list[list[int]]:
+        if self._rows is None:
+            self._rows = self._native.rows(self._slot, self._event)
+        return self._rows
+
+    def fp(self, j: int, nbytes: int) -> Any:
+        def combine(_host: Any) -> int:
+            s, a, b, _ = self.get()[j]
+            return combine_lin64(s, a, b, nbytes)
+
+        return combine
+
+    def nf(self, j: int) -> Any:
+        return lambda _host: bool(self.get()[j][3])

@@ -163,10 +163,30 @@ class Recorder:
         """Intercept the taped ops (``tape.py``) where the config asks for it."""
         if not self.config.tape:
             return None
-        self.tape, self.tape_error = start_tape(self.tape_recorder, self.config.tape_ops, self.fail)
+        native = self._native_tape()
+        self.tape, self.tape_error = start_tape(self.tape_recorder, self.config.tape_ops, self.fail, native)
         if self.tape_error:  # this torch cannot take the kernels: record without the tape, say so
             log.warning("fsdp-replay: %s; nondeterministic kernels are not taped", self.tape_error)
+        elif native is not None:
+            self.tape_recorder.native = native
+            self.tape_recorder.seq = 0
+            if self.tape is not None and self.tape.native_error:
+                log.info("fsdp-replay: the C++ tape hook left some ops to Python: %s", self.tape.native_error)
+            self.tape_recorder.sync_native()
         return self.tape
+
+    def _native_tape(self) -> Any:
+        """The C++ tape hook (``cxx/tape.py``) where the config names its library, else None."""
+        path = self.config.cxx_tape_lib
+        if not path:
+            return None
+        from fsdp_replay.agent.cxx.tape import NativeTape, TapeError
+
+        try:
+            return NativeTape(path)
+        except TapeError as e:
+            log.warning("fsdp-replay: C++ tape hook not used (%s); the Python tape records every call", e)
+            return None
 
     def drain_kernel(self, force: bool = False) -> None:
         self.bridge.drain(force)
@@ -193,6 +213,8 @@ class Recorder:
             rec.state.gpu = None
             if rec.kernel is not None:
                 rec.kernel.state.enabled = 0
+            if rec.tape_recorder.native is not None:
+                rec.tape_recorder.native.state.fast = 0
 
     def fail(self, where: str, exc: BaseException) -> None:
         """Stop recording after an internal error: log once, count, leave the program alone."""
@@ -204,6 +226,8 @@ class Recorder:
         st.recording = False
         if self.kernel is not None:
             self.kernel.state.enabled = 0  # its calls go to the Python kernels, which pass them through
+        if self.tape_recorder.native is not None:
+            self.tape_recorder.native.state.fast = 0  # likewise the C++ tape hook's
         log.warning("fsdp-replay: internal error in %s, recording stopped: %r", where, exc)
         if st.writer is not None:
             st.writer.event(
@@ -267,6 +291,7 @@ class Recorder:
                     "cpu": schema.FP_SK64 if native.available() else schema.FP_ZLIB64,
                     "native_core": native.available(),
                     "cxx_kernel": self.kernel is not None,
+                    "cxx_tape": self.tape_recorder.native is not None,
                     "cpu_large": schema.FP_SK64,
                     "cpu_large_min_bytes": schema.SK64_MIN_BYTES,
                     "cuda": schema.FP_LIN64,
@@ -344,11 +369,17 @@ class Recorder:
             out.update(self.flight.ring.counters())
         if self.tape is not None:
             out["tape_graph_captured"] = self.tape.captured
+        native = self.tape_recorder.native
+        if native is not None:
+            out["tape_cxx_calls"] = native.state.calls
+            out["tape_cxx_deferred"] = native.state.deferred
         return out
 
     def agent_cpu_ns(self) -> int:
-        """The agent's thread CPU time on the program's threads: the hooks' and the C++ kernel's."""
-        return self.state.cpu_ns + self.bridge.cpu_ns()
+        """The agent's thread CPU time on the program's threads: the hooks', the C++ kernel's and
+        the C++ tape hook's."""
+        native = self.tape_recorder.native
+        return self.state.cpu_ns + self.bridge.cpu_ns() + (native.state.cpu_ns if native is not None else 0)
 
     def finish(self, reason: str = "exit") -> None:
         """Write the end event and drain the writer (atexit, SIGTERM). Idempotent."""
@@ -366,6 +397,12 @@ class Recorder:
         if self.collectives.deferred or self.kernel is not None:
             with contextlib.suppress(Exception):
                 self.collectives.complete_deferred(force=True)
+        if self.tape_recorder.native is not None:
+            self.tape_recorder.native.state.fast = 0
+            try:
+                self.tape_recorder.drain_native()
+            except Exception as e:
+                self.fail("C++ tape at the end", e)
         if self.memory is not None:
             try:
                 exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
@@ -431,6 +468,7 @@ class Recorder:
         st, colls = self.state, self.collectives
         if colls.deferred or self.kernel is not None:
             colls.complete_deferred(force=True)
+        self.tape_recorder.drain_native()  # the step's taped calls recorded in C++, before its end
         params = fingerprint_many([capture.local(p) for p in capture.optimizer_params(opt)])
         loss = host_values(torch.stack(self.losses)) if self.losses else []
         agent_cpu = self.agent_cpu_ns()
@@ -479,6 +517,7 @@ class Recorder:
         if self.config.sync_steps:
             self._sync_step(w, opt)
         self.gpu_activity.step_end(w, opt)  # arms or disarms CUPTI for the step that begins
+        self.tape_recorder.sync_native()  # the step that begins: whether C++ records its taped calls
 
     def _sync_step(self, w: BackgroundWriter, opt: torch.optim.Optimizer) -> None:
         """Crash consistency: a finished step's records reach the disk before the next step ends.
@@ -520,6 +559,7 @@ class Recorder:
 
     def after_backward(self) -> None:
         self.state.pos.micro += 1
+        self.tape_recorder.micro(self.state.pos.micro)
         if self.state.gpu is not None:
             self.state.gpu.boundary()
         self.micro_ends.append(self.state.t_ns())

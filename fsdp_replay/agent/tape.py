@@ -147,6 +147,8 @@ def has_kernel(overload: Any, key: str) -> bool:
 # The agent's own work (its hooks, fingerprinting a taped op's outputs) runs ops of the tape too
 # (fingerprint_many adds rows with index_add_): those calls are the agent's, not the program's.
 _AGENT = threading.local()
+# The C++ tape hook's count of the agent's work on this thread (``cxx/tape.py``), while stacked
+_native_agent: Callable[[int], Any] | None = None
 
 
 @contextlib.contextmanager
@@ -154,10 +156,15 @@ def agent_work() -> Iterator[None]:
     """Taped ops called inside this block are the agent's own: they pass straight through."""
     outer = getattr(_AGENT, "on", False)
     _AGENT.on = True
+    native = _native_agent
+    if native is not None:
+        native(1)
     try:
         yield
     finally:
         _AGENT.on = outer
+        if native is not None:
+            native(-1)
 
 
 class TapeHandler(Protocol):
@@ -186,9 +193,15 @@ class OpTape:
     """Wraps the kernels of the taped ops; ``uninstall`` puts the originals back."""
 
     def __init__(
-        self, handler: TapeHandler, ops: Sequence[TapeOp], fail: Callable[[str, BaseException], None]
+        self,
+        handler: TapeHandler,
+        ops: Sequence[TapeOp],
+        fail: Callable[[str, BaseException], None],
+        native: Any = None,
     ):
         self.handler = handler
+        self.native = native  # the C++ hook stacked on our kernels (cxx/tape.py), or None
+        self.native_error = ""  # why an op's C++ hook could not be stacked (its calls: Python's)
         self.ops = ops
         self.fail = fail
         self.captured = 0  # taped calls made while a CUDA graph was captured: not taped
@@ -221,11 +234,29 @@ class OpTape:
                     self._libs.append(lib)
                 original = torch.library.get_kernel(overload, key)
                 label = overload.name().removeprefix(f"{namespace}::")
+                native = self._native_snapshot(overload.name(), key)
                 with warnings.catch_warnings():  # "overriding a previously registered kernel": ours
                     warnings.simplefilter("ignore")
                     lib.impl(label, self._wrapper(overload.name(), original), key, **_IMPL_OPTIONS)
                 self.installed.append(Installed(overload.name(), key))
+                if native is not None:
+                    self._native_install(native)
         return bool(found)
+
+    def _native_snapshot(self, name: str, key: str) -> int | None:
+        if self.native is None:
+            return None
+        try:
+            return int(self.native.snapshot(name, key))
+        except Exception as e:  # that op's calls go to the Python kernel
+            self.native_error = self.native_error or str(e)
+            return None
+
+    def _native_install(self, i: int) -> None:
+        try:
+            self.native.install(i)
+        except Exception as e:
+            self.native_error = self.native_error or str(e)
 
     def _wrapper(self, name: str, original: Any) -> Callable[..., Any]:
         handler = self.handler
@@ -250,6 +281,11 @@ class OpTape:
         return kernel
 
     def uninstall(self) -> None:
+        global _native_agent
+        if self.native is not None:  # first: its kernels call ours below them
+            self.native.uninstall()
+            if _native_agent is self.native.agent:
+                _native_agent = None
         for lib in self._libs:
             lib._destroy()
         self._libs = []
@@ -257,10 +293,14 @@ class OpTape:
 
 
 def start_tape(
-    handler: TapeHandler, extra: str, fail: Callable[[str, BaseException], None]
+    handler: TapeHandler, extra: str, fail: Callable[[str, BaseException], None], native: Any = None
 ) -> tuple[OpTape | None, str]:
-    """Install the tape's kernels: the tape, or None and why this torch refused them."""
-    tape = OpTape(handler, tape_ops(extra), fail)
+    """Install the tape's kernels (with ``native``, the C++ hook on top of each): the tape, or
+    None and why this torch refused them."""
+    global _native_agent
+    tape = OpTape(handler, tape_ops(extra), fail, native)
+    if native is not None:
+        _native_agent = native.agent
     try:
         tape.install()
     except Exception as e:

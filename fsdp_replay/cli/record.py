@@ -41,6 +41,33 @@ def _cxx_kernel() -> str:
         return ""
 
 
+def _wants_cxx_tape(args: argparse.Namespace) -> bool:
+    """--cxx-tape / --no-cxx-tape (or FSDP_REPLAY_CXX_TAPE=1/0), else: with the tape, where it has
+    something to take (a CUDA device, or ops of the user's own)."""
+    if not args.tape:
+        return False
+    if args.cxx_tape is not None:
+        return bool(args.cxx_tape)
+    import torch
+
+    return bool(args.tape_ops) or torch.cuda.is_available()
+
+
+def _cxx_tape() -> str:
+    """The C++ tape hook's library, built first if needed; empty (with a note) where it cannot be."""
+    from fsdp_replay.agent.cxx import tape
+
+    try:
+        if not tape.library_path().exists():
+            print("fsdp-replay: building the C++ tape hook for this torch (once)", file=sys.stderr)
+        return str(tape.build())
+    except (tape.TapeError, OSError) as e:
+        print(
+            f"fsdp-replay: C++ tape hook not used (the Python tape records every call): {e}", file=sys.stderr
+        )
+        return ""
+
+
 def cmd_record(args: argparse.Namespace) -> int:
     from fsdp_replay.agent.config import CuptiPolicy, RecordConfig, StepSet, parse_alloc_history
     from fsdp_replay.cli.launch import agent_env, run_command
@@ -76,6 +103,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         alloc_stacks=args.alloc_stacks,
         cupti=CuptiPolicy.parse(args.cupti),
         cxx_kernel_lib=_cxx_kernel() if _wants_cxx_kernel(args) else "",
+        cxx_tape_lib=_cxx_tape() if _wants_cxx_tape(args) else "",
     )
     out.mkdir(parents=True, exist_ok=True)
     env = agent_env(out, config.to_env())
@@ -317,6 +345,14 @@ def register(sub: Any) -> None:
         default=defaults.tape,
         help="fingerprint (and with the payloads, keep) what the ops with nondeterministic CUDA kernels computed, "
         "so a replay can inject it (--no-tape: off)",
+    )
+    env_option(
+        r,
+        "--cxx-tape",
+        kind="bool",
+        help="record the taped calls of steps that store no payloads in C++ (one driver launch and an event a "
+        "call), built against the installed torch on first use (needs gcc and g++); default: on with the tape, "
+        "where CUDA is available or --tape-ops names ops",
     )
     env_option(
         r,

@@ -160,6 +160,14 @@ def test_without_the_tape_default_kernels_diverge_and_the_report_says_why(tmp_pa
 
 def test_without_stored_results_a_differing_kernel_is_named(tmp_path: Path) -> None:
     rec = _record(tmp_path, "fponly", DEFAULT_KERNELS, (*SNAPSHOTS, "--tape-payloads", "none"))
+    summary = json.loads(run([*CLI, "inspect", str(rec), "--json"]).stdout)
+    r0 = summary["per_rank"][0]
+    if r0["environment"]["fingerprint_algos"].get("cxx_tape"):  # no stored results: C++ records the calls
+        counters = r0["end"]["counters"]
+        print(
+            "C++ tape:", counters["tape_cxx_calls"], "calls,", counters["tape_cxx_deferred"], "left to Python"
+        )
+        assert counters["tape_cxx_calls"] > 0 and counters["tape_cxx_deferred"] == 0, counters
     code, text, doc = _replay(rec, 0)
     assert code in (0, 1), text
     if code == 1:  # a taped kernel computed other bits: named there, not several ops later

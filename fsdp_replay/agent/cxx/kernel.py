@@ -102,10 +102,10 @@ def _torch_dir() -> Path:
     return Path(torch.__file__).resolve().parent
 
 
-def build_key() -> str:
+def build_key(source: Path = SOURCE) -> str:
     """What the built library depends on: our sources, torch's version and C++ ABI."""
     h = hashlib.sha256()
-    for p in (SOURCE, CORE):
+    for p in (source, CORE):
         h.update(p.read_bytes())
     h.update(f"{torch.__version__}|{int(torch._C._GLIBCXX_USE_CXX11_ABI)}|{_torch_dir()}".encode())
     return h.hexdigest()[:16]
@@ -118,13 +118,14 @@ def cache_dir() -> Path:
     return Path(base) / "kernels"
 
 
-def library_path() -> Path:
-    return cache_dir() / build_key() / "_kernel.so"
+def library_path(source: Path = SOURCE) -> Path:
+    return cache_dir() / build_key(source) / f"{source.stem}.so"
 
 
-def build(verbose: bool = False) -> Path:
-    """The library for the installed torch, compiled first if it is not in the cache (~10 s)."""
-    target = library_path()
+def build(verbose: bool = False, source: Path = SOURCE) -> Path:
+    """The library of ``source`` (this kernel's, or the tape's: ``tape.py``) for the installed
+    torch, compiled first if it is not in the cache (~10 s), with the native core linked in."""
+    target = library_path(source)
     if target.exists():
         return target
     cc, cxx = shutil.which("gcc") or shutil.which("cc"), shutil.which("g++") or shutil.which("c++")
@@ -137,7 +138,7 @@ def build(verbose: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         core_o = Path(tmp) / "_fpcore.o"
-        out = Path(tmp) / "_kernel.so"
+        out = Path(tmp) / target.name
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         steps = [
             [cc, "-O3", "-std=gnu11", "-fPIC", "-c", str(CORE), "-o", str(core_o)],
@@ -150,12 +151,13 @@ def build(verbose: bool = False) -> Path:
                 f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                 f"-I{include}",
                 f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
-                str(SOURCE),
+                str(source),
                 str(core_o),
                 f"-L{tdir / 'lib'}",
                 "-lc10",
                 "-ltorch_cpu",
                 "-ltorch",
+                "-ldl",
                 f"-Wl,-rpath,{tdir / 'lib'}",
                 "-o",
                 str(out),

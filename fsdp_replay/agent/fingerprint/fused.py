@@ -244,27 +244,21 @@ def _run(kernel: Any, blocks: int, args: list[Any], stream: int, plain: bool, de
 
 def _checked(kernel: Any, compiled: Any, device: torch.device) -> Any:
     """``compiled`` where a direct launch of it writes the rows that Triton's JIT entry point
-    writes, for a probe tensor on a stream of the agent's own (waited for once, at the first
-    launch, which compiled the kernel: the training stream never waits), else False."""
+    writes for a probe tensor (``probe_rows``), else False."""
     if device.type != "cuda" or not (hasattr(compiled, "run") and hasattr(compiled, "__getitem__")):
         return False
+
+    def direct(probe: torch.Tensor) -> torch.Tensor:
+        rows = torch.full((_SLOT_WORDS,), -1, dtype=torch.int64, pin_memory=True)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        acc, count = _scratch_of(device, stream)
+        args, blocks, _, _ = _built([probe], rows.data_ptr())
+        compiled[(blocks, 1, 1)](acc, count, rows.data_ptr(), *args, _ROWS, LIN64_ROW, stream=stream)
+        return rows
+
     try:
-        side = torch.cuda.Stream(device=device)
-        with torch.cuda.stream(side):
-            probe = torch.arange(3 * _WORDS + 5, dtype=torch.float32, device=device).sin_()
-            rows = torch.full((2, _SLOT_WORDS), -1, dtype=torch.int64, pin_memory=True)
-            acc, count = _scratch_of(device, side.cuda_stream)
-            for i, how in enumerate(("jit", "direct")):
-                host = rows[i].data_ptr()
-                built = _arguments([probe], host)
-                assert built is not None
-                args, blocks = [acc, count, host, *built[0]], built[1]
-                if how == "jit":
-                    kernel[(blocks,)](*args, **_OPTIONS)
-                else:
-                    compiled[(blocks, 1, 1)](*args, _ROWS, LIN64_ROW, stream=side.cuda_stream)
-        side.synchronize()
-        if torch.equal(rows[0], rows[1]) and rows[0, 0] != -1:
+        ours, jit = probe_rows(device, direct, kernel)
+        if ours == jit:
             return compiled
         log.warning(
             "the fused fingerprint kernel's direct launch computed other values: launched by Triton's JIT"
@@ -272,6 +266,33 @@ def _checked(kernel: Any, compiled: Any, device: torch.device) -> Any:
     except Exception as e:  # another Triton's compiled-kernel interface
         log.warning("the fused fingerprint kernel's direct launch failed (%r): launched by Triton's JIT", e)
     return False
+
+
+def _built(tensors: list[torch.Tensor], host: int) -> tuple[list[Any], int, bool, list[Any]]:
+    built = _arguments(tensors, host)
+    assert built is not None
+    return built
+
+
+def probe_rows(device: torch.device, other: Any, kernel: Any = None) -> tuple[list[int], list[int]]:
+    """The rows of a probe tensor (three programs and a partial one) computed by ``other(probe)``
+    (another launch of the compiled kernel: the direct one, the C++ tape's; it returns the rows'
+    host tensor) and by Triton's JIT entry point, on a stream of the agent's own, waited for once
+    (at the first launch, which compiled the kernel: the training stream never waits)."""
+    kernel = kernel or _get()
+    side = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(side):
+        probe = torch.arange(3 * _WORDS + 5, dtype=torch.float32, device=device).sin_()
+        rows = torch.full((_SLOT_WORDS,), -1, dtype=torch.int64, pin_memory=True)
+        acc, count = _scratch_of(device, side.cuda_stream)
+        args, blocks, _, _ = _built([probe], rows.data_ptr())
+        kernel[(blocks,)](acc, count, rows.data_ptr(), *args, **_OPTIONS)
+        ours = other(probe)
+    side.synchronize()
+    jit = rows.tolist()
+    if jit[0] == -1:
+        raise RuntimeError("Triton's launch wrote no rows")
+    return ours.tolist(), jit
 
 
 class _Slots:

@@ -1,0 +1,176 @@
+"""The tape's C++ hook (``agent/cxx/_tape.cpp``, #12): stacked on the Python tape, it records the
+taped calls of steps that store no payloads, and its records become the events the Python tape
+writes. On the CPU it takes a user's op (``--tape-ops``), fingerprinted with the native core; on
+CUDA the fused kernel, launched through the driver (the GPU test below)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp_replay.agent.config import RecordConfig
+from fsdp_replay.agent.counters import AgentState
+from fsdp_replay.agent.fingerprint import fingerprint
+from fsdp_replay.agent.record_tape import TapeRecorder
+from fsdp_replay.agent.tape import agent_work, start_tape
+from fsdp_replay.agent.tensor_record import TensorRecorder
+from fsdp_replay.trace import schema
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None or shutil.which("gcc") is None, reason="needs gcc and g++ to build the hook"
+)
+
+OP = "fsdpr_cxx_tape_test::mix"
+_LIB = torch.library.Library("fsdpr_cxx_tape_test", "DEF")
+_LIB.define("mix(Tensor x) -> Tensor")
+_LIB.impl("mix", lambda x: (x * 3 + 1).cumsum(-1), "CPU")
+_LIB.impl("mix", lambda x: (x * 3 + 1).cumsum(-1), "CUDA")
+
+
+class _Events:
+    """A writer that keeps the events (the tensors' values are not stored in these tests)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def event(self, ev: dict[str, Any]) -> None:
+        self.events.append(ev)
+
+
+@pytest.fixture(scope="module")
+def library() -> str:
+    from fsdp_replay.agent.cxx import tape
+
+    return str(tape.build())
+
+
+def _recorder(tmp: Path, library: str, **env: str) -> tuple[TapeRecorder, _Events, Any, Any]:
+    from fsdp_replay.agent.cxx.tape import NativeTape
+
+    config = RecordConfig.from_env(
+        {
+            "FSDP_REPLAY_OUT": str(tmp),
+            "FSDP_REPLAY_PAYLOADS": "none",
+            "FSDP_REPLAY_TAPE_PAYLOADS": "none",
+            **env,
+        }
+    )
+    state = AgentState(payload_now=False)
+    events = _Events()
+    state.writer = events  # type: ignore[assignment]
+
+    def fail(where: str, e: BaseException) -> None:
+        raise AssertionError(f"{where}: {e!r}")
+
+    rec = TapeRecorder(config, state, TensorRecorder(config, state), lambda: events, fail)  # type: ignore[arg-type, return-value]
+    native = NativeTape(library)
+    op_tape, why = start_tape(rec, OP, fail, native)
+    assert op_tape is not None, why
+    assert not op_tape.native_error, op_tape.native_error
+    rec.native = native
+    rec.sync_native()
+    return rec, events, native, op_tape
+
+
+def _values(ev: dict[str, Any]) -> list[tuple[Any, Any, str]]:
+    def v(x: Any) -> Any:
+        return x.value() if hasattr(x, "value") else x
+
+    return [(v(t.fp), v(t.nonfinite), t.algo) for t in ev["tensors"]]
+
+
+def test_a_users_op_on_the_cpu_is_recorded_in_cxx_with_the_python_tapes_fingerprints(
+    tmp_path: Path, library: str
+) -> None:
+    rec, events, native, op_tape = _recorder(tmp_path, library)
+    try:
+        x = torch.randn(64, 300)
+        outs = [torch.ops.fsdpr_cxx_tape_test.mix(x * i) for i in range(3)]
+        with agent_work():  # the agent's own call: not taped
+            torch.ops.fsdpr_cxx_tape_test.mix(x)
+        torch.use_deterministic_algorithms(True)
+        try:  # deterministic mode: not taped
+            torch.ops.fsdpr_cxx_tape_test.mix(x)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        native.state.fast = 0  # a step that stores payloads: the Python kernel records the call
+        outs.append(torch.ops.fsdpr_cxx_tape_test.mix(x * 7))
+        assert len(events.events) == 1 and events.events[0]["seq"] == 3
+        native.state.fast = 1
+        native.state.small_limit = 1 << 20  # outputs this small keep their bytes: left to Python
+        native.state.step, native.state.micro = 4, 1
+        outs.append(torch.ops.fsdpr_cxx_tape_test.mix(x * 9))
+        assert native.state.calls == 4 and native.state.deferred == 1
+        rec.drain_native()
+    finally:
+        op_tape.uninstall()
+    by_seq = {ev["seq"]: ev for ev in events.events}
+    assert sorted(by_seq) == [0, 1, 2, 3, 4]  # one numbering for both paths
+    for seq, out in enumerate(outs):
+        ev = by_seq[seq]
+        assert ev["type"] == schema.EV_KERNEL_OP and ev["op"] == OP
+        fp, nf, algo = fingerprint(out)
+        assert _values(ev) == [(fp, nf, algo)], seq
+        assert ev["tensors"][0].shape == [64, 300] and ev["tensors"][0].dtype == "float32"
+    assert (by_seq[4]["step"], by_seq[4]["micro"]) == (4, 1)
+    # uninstalled: the op's own kernel again, and nothing recorded
+    n = len(events.events)
+    torch.ops.fsdpr_cxx_tape_test.mix(x)
+    assert len(events.events) == n and native.drain() == []
+
+
+@pytest.mark.gpu
+def test_taped_cuda_calls_are_fingerprinted_by_the_fused_kernel_launched_from_cxx(
+    tmp_path: Path, library: str
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("gpu: no CUDA device")
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fsdp_replay.agent.fingerprint import fused
+
+    if not fused.available():
+        pytest.skip("no Triton: the hook leaves CUDA calls to Python")
+    rec, events, native, op_tape = _recorder(tmp_path, library)
+    kept: list[torch.Tensor] = []
+    try:
+        x = torch.randn(4096, 256, device="cuda")
+        kept.append(torch.ops.fsdpr_cxx_tape_test.mix(x))  # Python's: compiles, then arms the hook
+        assert native.cuda, rec.native_note
+        for i in range(3):
+            kept.append(torch.ops.fsdpr_cxx_tape_test.mix(x[:, : 100 + i]))
+        dst = torch.zeros(1000, 64, device="cuda")
+        idx = torch.randperm(1000, device="cuda")[:500]
+        kept.append(dst.index_add(0, idx, torch.randn(500, 64, device="cuda")))
+        # the cuDNN attention backward: dq, dk, dv are strided views of one buffer, read in place
+        q, k, v = (
+            torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)
+        )
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        assert q.grad is not None and k.grad is not None and v.grad is not None
+        calls = native.state.calls
+        rec.drain_native()
+        torch.cuda.synchronize()
+    finally:
+        op_tape.uninstall()
+    assert native.state.deferred == 0 and not native.state.failed, native.error()
+    by_op: dict[str, list[dict[str, Any]]] = {}
+    for ev in sorted(events.events, key=lambda e: e["seq"]):
+        by_op.setdefault(ev["op"], []).append(ev)
+    mixes = by_op[OP]
+    assert len(mixes) == 4 and calls >= 5
+    for ev, out in zip(mixes, kept[:4], strict=True):
+        assert _values(ev) == [(fingerprint(out, schema.FP_LIN64)[0].value(), False, schema.FP_LIN64)]
+    (ia,) = by_op["aten::index_add"]
+    assert _values(ia)[0][0] == fingerprint(kept[4], schema.FP_LIN64)[0].value()
+    attn = [ev for op, evs in by_op.items() if "attention_backward" in op for ev in evs]
+    assert len(attn) == 1, sorted(by_op)
+    want = [fingerprint(g, schema.FP_LIN64)[0].value() for g in (q.grad, k.grad, v.grad)]
+    assert [fp for fp, _, _ in _values(attn[0])][:3] == want
