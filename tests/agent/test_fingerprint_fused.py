@@ -157,6 +157,7 @@ def test_fingerprint_many_of_a_taped_calls_outputs_takes_one_launch_on_cuda() ->
     namespace: dict[str, Any] = {}
     exec(CASES, namespace)  # the cases above, built on the CPU
     assert fused.available(), "Triton should run on the GPU machine"
+    free = len(fused._slots.free) if fused._slots is not None else fused.SLOTS  # other tests' may be taken
     for name, cpu in namespace["CASES"].items():
         tensors = [t.cuda() for t in cpu]
         many = fingerprint_many(tensors)
@@ -174,7 +175,7 @@ def test_fingerprint_many_of_a_taped_calls_outputs_takes_one_launch_on_cuda() ->
             # the per-tensor path gives the same value (a replay recomputes it that way)
             assert _resolve(fingerprint(t, "lin64")[0]) == _resolve(fp)
     # every slot read was given back
-    assert fused._slots is not None and len(fused._slots.free) == fused.SLOTS
+    assert fused._slots is not None and len(fused._slots.free) == free
     # after the first (Triton's JIT entry point), the launches above called the compiled kernel
     assert fused._direct, "the direct launch of the compiled kernel was given up (see the log)"
 

@@ -388,8 +388,11 @@ void collect(const c10::IValue &v, std::vector<at::Tensor> &out) {
   }
 }
 
+// A CUDA graph is being captured on the current stream (or this thread cannot tell: then the
+// Python kernel decides). The autograd engine's device threads may have no driver context yet.
 bool capturing(int device) {
   int status = 0;
+  if (!ensure_context(device)) return true;
   return drv.is_capturing(current_stream(device), &status) != 0 || status != 0;
 }
 
@@ -497,7 +500,11 @@ struct TapeKernel final : public c10::OperatorKernel {
   void operator()(const c10::OperatorHandle &handle, c10::DispatchKeySet ks, torch::jit::Stack *stack) {
     TapeOp &op = *ops[index];
     bool cuda = op.key == c10::DispatchKey::CUDA;
-    if (!state.fast || state.failed || agent_depth > 0 || at::globalContext().deterministicAlgorithms() ||
+    if (agent_depth > 0) {  // the agent's own call, or one inside a taped op's kernel: not taped
+      op.original->callBoxed(handle, ks, stack);
+      return;
+    }
+    if (!state.fast || state.failed || at::globalContext().deterministicAlgorithms() ||
         (cuda && (!fused.on || capturing(fused.device)))) {
       Depth d;  // what the Python kernel runs (its fingerprints) is the agent's
       op.python->callBoxed(handle, ks, stack);
