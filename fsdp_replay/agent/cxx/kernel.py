@@ -174,24 +174,33 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Path:
     return target
 
 
+def open_library(
+    path: str, prefix: str, abi: int, structs: tuple[type[ctypes.Structure], ...], error: type[Exception]
+) -> tuple[Any, Any]:
+    """Load one of our C++ libraries (its torch ops too): (calls holding the GIL, calls releasing
+    it), after checking its ABI number (``{prefix}_abi``) and the sizes of the structures it
+    shares with Python (``{prefix}_sizes(i)``); ``error`` says why not."""
+    try:
+        torch.ops.load_library(path)
+        held = ctypes.PyDLL(path)
+        released = ctypes.CDLL(path)
+    except OSError as e:
+        raise error(f"cannot load {path}: {e}") from e
+    got = getattr(held, f"{prefix}_abi")()
+    if got != abi:
+        raise error(f"{path} is from another version (abi {got}, want {abi})")
+    sizes = getattr(held, f"{prefix}_sizes")  # small values: read as a C int whatever its width
+    if tuple(sizes(i) for i in range(len(structs))) != tuple(ctypes.sizeof(c) for c in structs):
+        raise error(f"{path}: record layout differs from Python's")
+    return held, released
+
+
 class Kernel:
     """The loaded library. ``install`` registers the kernels; ``uninstall`` removes them."""
 
     def __init__(self, path: str | Path) -> None:
         path = str(path)
-        try:
-            torch.ops.load_library(path)  # registers fsdpr::pg_of
-            held = ctypes.PyDLL(path)
-            released = ctypes.CDLL(path)
-        except OSError as e:
-            raise KernelError(f"cannot load {path}: {e}") from e
-        if held.fsdpr_kernel_abi() != ABI:
-            raise KernelError(f"{path} is from another version (abi {held.fsdpr_kernel_abi()}, want {ABI})")
-        if (held.fsdpr_kernel_sizes(0), held.fsdpr_kernel_sizes(1)) != (
-            ctypes.sizeof(State),
-            ctypes.sizeof(Record),
-        ):
-            raise KernelError(f"{path}: record layout differs from kernel.py's")
+        held, released = open_library(path, "fsdpr_kernel", ABI, (State, Record), KernelError)  # fsdpr::pg_of
         held.fsdpr_kernel_state.restype = ctypes.c_void_p
         self.path = path
         self.state = State.from_address(held.fsdpr_kernel_state())

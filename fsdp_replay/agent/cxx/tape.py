@@ -123,20 +123,8 @@ class NativeTape:
 
     def __init__(self, path: str | Path) -> None:
         path = str(path)
-        try:
-            torch.ops.load_library(path)  # registers fsdpr_tape::take and ::probe
-            held = ctypes.PyDLL(path)
-            released = ctypes.CDLL(path)
-        except OSError as e:
-            raise TapeError(f"cannot load {path}: {e}") from e
-        if held.fsdpr_tape_abi() != ABI:
-            raise TapeError(f"{path} is from another version (abi {held.fsdpr_tape_abi()}, want {ABI})")
-        held.fsdpr_tape_sizes.restype = ctypes.c_int64
-        if (held.fsdpr_tape_sizes(0), held.fsdpr_tape_sizes(1)) != (
-            ctypes.sizeof(State),
-            ctypes.sizeof(Record),
-        ):
-            raise TapeError(f"{path}: record layout differs from tape.py's")
+        # registers fsdpr_tape::take and ::probe
+        held, released = builder.open_library(path, "fsdpr_tape", ABI, (State, Record), TapeError)
         held.fsdpr_tape_state_ptr.restype = ctypes.c_void_p
         held.fsdpr_tape_next_seq.restype = ctypes.c_int64
         held.fsdpr_tape_get_seq.restype = ctypes.c_int64
