@@ -21,15 +21,10 @@ from typing import Any
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
+from fsdp_replay.agent.cxx.tape import dtype_of
 from fsdp_replay.agent.fingerprint import Pending, fingerprint_many
 from fsdp_replay.agent.tape import outputs_of
-from fsdp_replay.agent.tensor_record import (
-    SMALL_PAYLOAD_BYTES,
-    TINY_PAYLOAD_BYTES,
-    WARMUP_PAYLOAD_STEPS,
-    TensorRecorder,
-    dtype_name,
-)
+from fsdp_replay.agent.tensor_record import TensorRecorder, dtype_name
 from fsdp_replay.agent.writer import BackgroundWriter
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.events import Tensor
@@ -93,9 +88,7 @@ class TapeRecorder:
         """A call's ``kop`` event, its outputs fingerprinted (and stored, by the policy) here."""
         w = self.start()
         record = self.tensors.record
-        store = self.state.payload_now if self.stored_steps is None else step in self.stored_steps
-        # --tape-payloads none: fingerprints only, so a replay names the kernel (not even small results)
-        small = self.stored_steps is None or not self.stored_steps.empty
+        store, small = self._stores(step)
         outs = [capture.local(t) for t in tensors]
         # one pass for all the call's outputs (on CUDA: one Triton launch, or a fixed number of
         # torch launches without Triton; one copy and one event), not a pass per output: the
@@ -114,6 +107,12 @@ class TapeRecorder:
         )
         if self.native is not None and not self._cuda_tried and outs and outs[0].is_cuda:
             self._arm_native_cuda(outs[0].device)
+
+    def _stores(self, step: int) -> tuple[bool, bool]:
+        """Whether ``step``'s taped results are stored, and whether small ones keep their bytes
+        anyway (not with --tape-payloads none: fingerprints only, so a replay names the kernel)."""
+        store = self.state.payload_now if self.stored_steps is None else step in self.stored_steps
+        return store, self.stored_steps is None or not self.stored_steps.empty
 
     # -- the C++ hook ---------------------------------------------------------------------------
     def _arm_native_cuda(self, device: Any) -> None:
@@ -145,13 +144,10 @@ class TapeRecorder:
         st = self.state
         pos = st.pos
         step = pos.step
-        store = st.payload_now if self.stored_steps is None else step in self.stored_steps
-        small = (self.stored_steps is None or not self.stored_steps.empty) and self.tensors.small_always
+        store, small = self._stores(step)
         ns = n.state
         ns.step, ns.micro = step, pos.micro
-        ns.small_limit = (
-            (SMALL_PAYLOAD_BYTES if step < WARMUP_PAYLOAD_STEPS else TINY_PAYLOAD_BYTES) if small else -1
-        )
+        ns.small_limit = self.tensors.small_limit(step) if small else -1
         ns.fast = int(st.recording and not store and st.gpu is None)
 
     def micro(self, micro: int) -> None:
@@ -182,7 +178,7 @@ class TapeRecorder:
         tensors = []
         for j in range(r.ntensors):
             t = r.t[j]
-            dtype = dtype_name(native_dtype(t.dtype))
+            dtype = dtype_name(dtype_of(t.dtype))
             shape = list(t.shape[: t.ndim])
             if t.cuda:
                 assert rows is not None
@@ -201,12 +197,6 @@ class TapeRecorder:
             "op": name,
             "tensors": tensors,
         }
-
-
-def native_dtype(code: int) -> Any:
-    from fsdp_replay.agent.cxx.tape import dtype_of
-
-    return dtype_of(code)
 
 
 class _Rows:

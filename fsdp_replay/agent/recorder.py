@@ -169,7 +169,6 @@ class Recorder:
             log.warning("fsdp-replay: %s; nondeterministic kernels are not taped", self.tape_error)
         elif native is not None:
             self.tape_recorder.native = native
-            self.tape_recorder.seq = 0
             if self.tape is not None and self.tape.native_error:
                 log.info("fsdp-replay: the C++ tape hook left some ops to Python: %s", self.tape.native_error)
             self.tape_recorder.sync_native()

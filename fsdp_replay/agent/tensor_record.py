@@ -110,6 +110,13 @@ class TensorRecorder:
             w.call(lambda: settle(held))
         return blob
 
+    def small_limit(self, step: int) -> int:
+        """Tensors of at most this many bytes keep their bytes at ``step`` whatever the policy
+        stores (larger in the first steps), or -1 where the policy stores none."""
+        if not self.small_always:
+            return -1
+        return SMALL_PAYLOAD_BYTES if step < WARMUP_PAYLOAD_STEPS else TINY_PAYLOAD_BYTES
+
     def record(
         self,
         role: str,
@@ -125,10 +132,8 @@ class TensorRecorder:
         t = capture.local(t)
         fp, nf, algo = known if known is not None else fingerprint(t)
         blob: Any = schema.NO_BLOB
-        if not store and small and self.small_always:
-            nbytes = nbytes_of(t)
-            early = self.state.pos.step < WARMUP_PAYLOAD_STEPS
-            store = nbytes <= TINY_PAYLOAD_BYTES or (early and nbytes <= SMALL_PAYLOAD_BYTES)
+        if not store and small:
+            store = nbytes_of(t) <= self.small_limit(self.state.pos.step)
         if store:
             nbytes = nbytes_of(t)
             if self.flight is not None:

@@ -49,7 +49,6 @@ extern "C" int fsdpr_sk64_many(size_t n, const uint64_t *ptrs, const uint64_t *n
 extern "C" {
 // Shared with the recorder through ctypes (tape.py: State).
 struct fsdpr_tape_state {
-  int64_t seq;          // the tape's next call number, for both paths (fsdpr_tape_next_seq)
   int64_t step;
   int64_t micro;
   int64_t small_limit;  // outputs of at most this many bytes keep their bytes: Python's; -1 none
@@ -140,7 +139,7 @@ bool load_driver(std::string &why) {
 }
 
 // -- state ------------------------------------------------------------------------------------
-fsdpr_tape_state state = {0, 0, 0, -1, 0, 0, 0, 0, 0, {0}};
+fsdpr_tape_state state = {0, 0, -1, 0, 0, 0, 0, 0, {0}};
 std::atomic<int64_t> next_seq{0};
 thread_local int agent_depth = 0;  // the agent's own work (tape.py: agent_work), or the Python kernel's
 
@@ -561,10 +560,6 @@ fsdpr_tape_state *fsdpr_tape_state_ptr(void) { return &state; }
 
 // The tape's next call number (the Python path takes its numbers here too while this is attached).
 int64_t fsdpr_tape_next_seq(void) { return next_seq.fetch_add(1); }
-
-void fsdpr_tape_set_seq(int64_t seq) { next_seq.store(seq); }
-
-int64_t fsdpr_tape_get_seq(void) { return next_seq.load(); }
 
 // The agent's own work begins (+1) or ends (-1) on this thread: taped calls pass to Python.
 void fsdpr_tape_agent(int delta) { agent_depth += delta; }

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,6 @@ class State(ctypes.Structure):
     """``fsdpr_tape_state``."""
 
     _fields_ = [
-        ("seq", ctypes.c_int64),
         ("step", ctypes.c_int64),
         ("micro", ctypes.c_int64),
         ("small_limit", ctypes.c_int64),
@@ -127,8 +125,6 @@ class NativeTape:
         held, released = builder.open_library(path, "fsdpr_tape", ABI, (State, Record), TapeError)
         held.fsdpr_tape_state_ptr.restype = ctypes.c_void_p
         held.fsdpr_tape_next_seq.restype = ctypes.c_int64
-        held.fsdpr_tape_get_seq.restype = ctypes.c_int64
-        held.fsdpr_tape_set_seq.argtypes = [ctypes.c_int64]
         held.fsdpr_tape_agent.argtypes = [ctypes.c_int]
         held.fsdpr_tape_snapshot.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         held.fsdpr_tape_install.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
@@ -172,14 +168,6 @@ class NativeTape:
     def uninstall(self) -> None:
         self._held.fsdpr_tape_uninstall()
         self.names = []
-
-    @property
-    def seq(self) -> int:
-        return int(self._held.fsdpr_tape_get_seq())
-
-    @seq.setter
-    def seq(self, value: int) -> None:
-        self._held.fsdpr_tape_set_seq(value)
 
     def set_kernel(self, compiled: Any, device: torch.device) -> None:
         """Launch the fused kernel (Triton's compiled kernel for ``device``) from C++, once a probe
@@ -227,7 +215,7 @@ class NativeTape:
         buf = (ctypes.c_int64 * SLOT_WORDS)()
         if self._rows(slot, event, buf) != 0:
             raise TapeError("waiting for a taped call's fingerprint event failed")
-        words = struct.unpack(f"<{SLOT_WORDS}q", bytes(buf))
+        words = list(buf)
         return [list(words[r * 4 : r * 4 + 4]) for r in range(MAXT)]
 
     def take(self, seq: int) -> list[torch.Tensor]:
