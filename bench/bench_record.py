@@ -65,7 +65,7 @@ RESULTS_DIR = REPO / "bench" / "results"
 
 TARGET_CONFIG = "meta"
 # Configurations that measure CUDA capture: on the CPU they would measure nothing.
-CUDA_ONLY = frozenset({"meta-cupti", "torch-profiler", "meta-torchfp"})
+CUDA_ONLY = frozenset({"meta-cupti", "meta-cupti-python", "torch-profiler", "meta-torchfp"})
 TARGET_RATIO = 1.03
 TARGET_TEXT = "metadata + fingerprints within 3% of the unrecorded step time"
 NOISY_FRACTION = 0.05  # other processes using more than this share of the CPUs make a run noisy
@@ -152,6 +152,14 @@ CONFIGS: tuple[Config, ...] = (
         "meta-cupti",
         ("--payloads", "none", "--cupti", "always"),
         "metadata + fingerprints + CUPTI's kernels and copies in every step (--cupti always)",
+        reference="meta",
+    ),
+    Config(
+        "meta-cupti-python",
+        ("--payloads", "none", "--cupti", "always"),
+        "as meta-cupti, CUPTI's records read by cupti-python's per-record callback instead of the native "
+        "reader (FSDP_REPLAY_CUPTI_NATIVE=0)",
+        env=("FSDP_REPLAY_CUPTI_NATIVE=0",),
         reference="meta",
     ),
     Config(

@@ -169,6 +169,8 @@ PROCESS_SWITCHES = {
     "FSDP_REPLAY_CACHE": "where the C++ kernel is built and cached (default ~/.cache/fsdp-replay)",
     "FSDP_REPLAY_TRITON": "0 turns the one-launch Triton fingerprint of taped CUDA outputs off "
     "(torch ops give the same values)",
+    "FSDP_REPLAY_CUPTI_NATIVE": "0 reads CUPTI's buffers with cupti-python's per-record callback instead of "
+    "the native reader (agent/cupti/native.py; the same rows, more Python per record)",
 }
 
 

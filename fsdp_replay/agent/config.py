@@ -171,8 +171,12 @@ class RecordConfig:
     sync_steps: bool = True
     """Wait at each step end until the step's records are written (crash consistency)."""
     max_pending_bytes: int = 1 << 30
-    """Payload bytes waiting for the writer (or, with ``window:N``, held in memory) beyond which
-    new payloads are dropped (and counted)."""
+    """Payload bytes waiting for the writer beyond which new payloads are dropped (and counted)."""
+    window_bytes: int = 0
+    """With ``window:N``: payload bytes the flight recorder holds in memory, beyond which its
+    window starts at a later snapshot, then new payloads are dropped (and counted); 0: a quarter of
+    the available memory (MemAvailable, or what the container's cgroup memory limit leaves where
+    less) divided by the node's ranks (LOCAL_WORLD_SIZE), at least max_pending_bytes (``agent/flight.py``, ``window_bound``)."""
     payload_ring_bytes: int = 256 << 20
     """CUDA: the size of each device's payload ring (``agent/payload_ring.py``): a device buffer
     and a pinned host buffer of this many bytes through which stored device payloads reach the
@@ -215,6 +219,10 @@ class RecordConfig:
             raise ConfigError(f"{ENV_PREFIX}OUT must name the run folder when {ENV_PREFIX}MODE=record")
         if self.max_pending_bytes < 1:
             raise ConfigError(f"{ENV_PREFIX}MAX_PENDING_BYTES={self.max_pending_bytes} must be >= 1")
+        if self.window_bytes < 0:
+            raise ConfigError(
+                f"{ENV_PREFIX}WINDOW_BYTES={self.window_bytes} must be >= 0 (0: sized from memory)"
+            )
         for name in ("module_fingerprints", "op_fingerprints", "tape_payloads"):
             value = getattr(self, name)
             if value is not None and value.window:
@@ -265,6 +273,7 @@ class RecordConfig:
             ENV_PREFIX + "SNAPSHOT_EVERY": str(self.snapshot_every),
             ENV_PREFIX + "SYNC_STEPS": "1" if self.sync_steps else "0",
             ENV_PREFIX + "MAX_PENDING_BYTES": str(self.max_pending_bytes),
+            ENV_PREFIX + "WINDOW_BYTES": str(self.window_bytes),
             ENV_PREFIX + "RESERVE_BYTES": str(self.reserve_bytes),
             ENV_PREFIX + "PAYLOAD_RING_BYTES": str(self.payload_ring_bytes),
             ENV_PREFIX + "TAPE": "1" if self.tape else "0",

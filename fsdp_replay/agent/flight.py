@@ -21,7 +21,8 @@ slot; one a dump takes before it is settled is written from the slot.
 What is held: the steps from the newest snapshot at or before ``current - steps - lag`` to the
 step in progress, so between N+1 and N+interval steps (plus ``lag``: on a GPU the non-finite
 check runs on the writer thread, up to two steps behind the training thread), and the snapshots
-from there on (two with the default interval). Payload bytes are bounded by ``max_bytes``: past
+from there on (two with the default interval). Payload bytes are bounded by ``max_bytes``
+(``--window-bytes``; by default sized from the host's available memory: ``window_bound``): past
 it the window first starts at a later held snapshot (fewer steps, still replayable), then new
 payloads are dropped, each counted (and reported at the step's end as a ``drop`` event).
 """
@@ -29,12 +30,18 @@ payloads are dropped, each counted (and reported at the step's end as a ``drop``
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fsdp_replay.trace import schema
+
+log = logging.getLogger(__name__)
+MEMINFO = "/proc/meminfo"
 
 # ``take`` and the writer's ``fill`` wait this long for the lock, then go on without it. A SIGTERM
 # handler takes the dump on the main thread, which may have been stopped inside ``hold`` holding
@@ -43,6 +50,74 @@ from fsdp_replay.trace import schema
 LOCK_WAIT_S = 2.0
 
 Key = tuple[int, int, str]  # (fingerprint, bytes, algorithm): the agent's content address
+
+
+CGROUP = "/sys/fs/cgroup"  # this process's cgroup (v2), as a container sees it
+
+
+def mem_available(meminfo: str) -> int | None:
+    """``MemAvailable`` in bytes from the text of /proc/meminfo, or None where it has none."""
+    m = re.search(r"^MemAvailable:\s*(\d+)\s*kB\s*$", meminfo, re.MULTILINE)
+    return int(m.group(1)) * 1024 if m else None
+
+
+def local_ranks(env: Mapping[str, str]) -> int:
+    """The ranks of this node (``LOCAL_WORLD_SIZE``, as torchrun sets it); 1 where unset or bad."""
+    raw = env.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else 1
+
+
+def cgroup_available(limit: str | None, current: str | None) -> int | None:
+    """What a cgroup v2 memory limit leaves (``memory.max`` less ``memory.current``, their
+    texts), or None where there is no limit ("max") or they cannot be read."""
+    if limit is None or current is None or not limit.strip().isdigit() or not current.strip().isdigit():
+        return None
+    return max(0, int(limit) - int(current))
+
+
+def auto_window_bytes(
+    meminfo: str | None, env: Mapping[str, str], floor: int, cgroup: int | None = None
+) -> int | None:
+    """The flight recorder's bound when none is given: a quarter of the available memory (the
+    host's, or what the container's memory limit leaves, ``cgroup``, where less) divided by the
+    node's ranks, at least ``floor`` (``--max-pending-bytes``); None where ``meminfo`` (the text
+    of /proc/meminfo, None if unreadable) gives no MemAvailable."""
+    available = None if meminfo is None else mem_available(meminfo)
+    if available is None:
+        return None
+    if cgroup is not None:
+        available = min(available, cgroup)
+    return max(floor, available // 4 // local_ranks(env))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def window_bound(
+    given: int, floor: int, env: Mapping[str, str] | None = None, meminfo_path: str = MEMINFO
+) -> tuple[int, bool]:
+    """The payload bytes the window holds at most, and whether they were sized here (``given``,
+    ``--window-bytes``, is 0): ``auto_window_bytes``, or ``floor`` where /proc/meminfo cannot
+    tell (logged). Read once, when the recorder starts."""
+    if given:
+        return given, False
+    text = _read(meminfo_path)
+    cgroup = cgroup_available(_read(CGROUP + "/memory.max"), _read(CGROUP + "/memory.current"))
+    auto = auto_window_bytes(text, os.environ if env is None else env, floor, cgroup)
+    if auto is None:
+        log.warning(
+            "fsdp-replay: %s gives no MemAvailable; the flight recorder holds at most %d payload bytes "
+            "(--max-pending-bytes; --window-bytes sets its own bound)",
+            meminfo_path,
+            floor,
+        )
+        return floor, True
+    return auto, True
 
 
 @dataclass(slots=True)

@@ -38,7 +38,7 @@ from fsdp_replay.agent.cxx.bridge import KernelBridge
 from fsdp_replay.agent.entropy import EntropyRecorder
 from fsdp_replay.agent.files import FileLedger
 from fsdp_replay.agent.fingerprint import fingerprint_many, host_values, native
-from fsdp_replay.agent.flight import FlightRecorder
+from fsdp_replay.agent.flight import FlightRecorder, window_bound
 from fsdp_replay.agent.gpu_activity import GpuActivity
 from fsdp_replay.agent.op_tap import OpRecorder
 from fsdp_replay.agent.process_groups import ProcessGroups
@@ -75,8 +75,10 @@ class Recorder:
         os.register_at_fork(after_in_child=lambda: Recorder._forked(ref))
         self.rank = -1
         self.fault = Fault(config.inject_fault) if config.inject_fault else None
-        window, bound = config.payloads.window, config.max_pending_bytes
-        ring = FlightRecorder(window, bound) if window else None
+        window = config.payloads.window
+        # the window's bound: (bytes, whether sized from memory), as rank_start.policy records it
+        self.window_bound = window_bound(config.window_bytes, config.max_pending_bytes) if window else None
+        ring = FlightRecorder(window, self.window_bound[0]) if self.window_bound else None
         self.flight = FlightDumps(ring, st) if ring is not None else None  # --payloads window:N
         self.tensors = TensorRecorder(config, st, ring)
         self.pgs = ProcessGroups(st)
@@ -282,6 +284,11 @@ class Recorder:
                     "tape_payloads": None
                     if self.config.tape_payloads is None
                     else str(self.config.tape_payloads),
+                    **(
+                        {"window_bytes": self.window_bound[0], "window_bytes_auto": self.window_bound[1]}
+                        if self.window_bound
+                        else {}
+                    ),
                 },
                 "start_ns": time.time_ns(),
                 "t0_wall_ns": time.time_ns() - st.t_ns(),

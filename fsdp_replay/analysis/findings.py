@@ -229,7 +229,8 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
         )
     if counters.get("blobs_dropped"):
         ring = int(counters.get("ring_full_drops", 0))
-        why = "disk full or the memory bound"
+        window = "flight_blobs_dropped" in counters  # --payloads window:N: the flight recorder's bound
+        why = "disk full or the flight recorder's memory bound" if window else "disk full or the memory bound"
         if ring:
             why = f"{ring} of them because the GPU payload ring was full; the others: {why}"
         out.append(
@@ -238,7 +239,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
                 WARNING,
                 f"rank {rank}: {counters['blobs_dropped']} payloads were dropped while recording ({why}); "
                 "a replay of the steps that need them stops there and says so",
-                "record again with a larger --max-pending-bytes"
+                f"record again with a larger {'--window-bytes' if window else '--max-pending-bytes'}"
                 + (" and --payload-ring-bytes" if ring else "")
                 + ", or fewer --payloads / --tape-payloads steps",
                 rank=rank,
@@ -305,6 +306,16 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
     return out
 
 
+def window_bound_text(r: dict[str, Any]) -> str:
+    """The flight recorder's bound as a rank's policy recorded it (``rank_start.policy``):
+    ``": 1073.7 MB, sized from memory"``, or empty in traces from before it was recorded."""
+    policy = (r.get("environment") or {}).get("policy") or {}
+    if "window_bytes" not in policy:
+        return ""
+    how = "sized from memory" if policy.get("window_bytes_auto") else "given"
+    return f": {int(policy['window_bytes']) / 1e6:.1f} MB, {how}"
+
+
 def flight_findings(per_rank: list[dict[str, Any]], q: str) -> list[dict[str, Any]]:
     """What the payload flight recorder (``--payloads window:N``) wrote, per rank: the steps a
     failure's dumps cover together, why, and the replay of them; or that it wrote nothing."""
@@ -331,7 +342,12 @@ def flight_findings(per_rank: list[dict[str, Any]], q: str) -> list[dict[str, An
                 f"rank {rank}: the flight recorder wrote the payloads of steps {first}..{g['last']}"
                 + (f" and the snapshot of step {snap}" if snap >= 0 else "")
                 + f" ({written} blobs, {mb:.1f} MB) when the run failed: {why}"
-                + (f"; {dropped} of their payloads had been dropped at the memory bound" if dropped else "")
+                + (
+                    f"; {dropped} of their payloads had been dropped at the memory bound "
+                    f"(--window-bytes{window_bound_text(r)})"
+                    if dropped
+                    else ""
+                )
             )
             replay = f"fsdp-replay replay {q} --rank {rank} --from-step {first}"
             out.append(

@@ -94,6 +94,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         snapshot_every=args.snapshot_every,
         sync_steps=args.sync_steps,
         max_pending_bytes=args.max_pending_bytes,
+        window_bytes=args.window_bytes,
         reserve_bytes=args.reserve_bytes,
         payload_ring_bytes=args.payload_ring_bytes,
         tape=args.tape,
@@ -296,8 +297,18 @@ def register(sub: Any) -> None:
         "--max-pending-bytes",
         kind="int",
         default=defaults.max_pending_bytes,
-        help="payload bytes each rank lets wait for its writer (with --payloads window:N: holds in memory); "
-        "payloads beyond it are dropped and counted (the tape's results on a large model can need several GiB a step)",
+        help="payload bytes each rank lets wait for its writer; payloads beyond it are dropped and counted (the "
+        "tape's results on a large model can need several GiB a step)",
+    )
+    env_option(
+        r,
+        "--window-bytes",
+        kind="int",
+        default=defaults.window_bytes,
+        help="with --payloads window:N: payload bytes each rank's flight recorder holds in memory; past it the "
+        "window starts at a later snapshot, then payloads are dropped and counted; 0: a quarter of the available "
+        "memory (the host's, or what a container's memory limit leaves) divided by its ranks (LOCAL_WORLD_SIZE), "
+        "at least --max-pending-bytes",
     )
     env_option(
         r,

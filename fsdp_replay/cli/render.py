@@ -294,9 +294,14 @@ def print_collect(report: Any) -> None:
                 file=sys.stderr,
             )
         if r.payloads_dropped:
+            bound = (
+                "the flight recorder's memory bound: --window-bytes"
+                if r.window
+                else "memory bound: --max-pending-bytes"
+            )
             print(
-                f"  rank {r.rank}: {r.payloads_dropped} payloads dropped while recording (disk full or memory "
-                "bound: --max-pending-bytes); every event was kept",
+                f"  rank {r.rank}: {r.payloads_dropped} payloads dropped while recording (disk full or {bound}); "
+                "every event was kept",
                 file=sys.stderr,
             )
     print(f"fsdp-replay: trace written to {report.trace} in {report.seconds:.1f}s", file=sys.stderr)

@@ -254,10 +254,11 @@ def missing_payload_hint(rec: RankRecord, step: int, restore_step: int, tape: bo
     flag = "--tape-payloads" if tape else "--payloads"
     head = f"the trace holds no payload for {what} of step {step}"
     if wanted and dropped:
+        bound = "--window-bytes" if policy.startswith("window:") else "--max-pending-bytes"
         return (
             f"{head}: the recording kept payloads for {policy} but dropped {dropped} of them "
             f"({int(counters.get('blob_bytes_dropped', 0)) / 1e6:.1f} MB; the disk was full or the "
-            "in-memory bound (--max-pending-bytes) was reached). Replay steps whose payloads were kept, "
+            f"in-memory bound ({bound}) was reached). Replay steps whose payloads were kept, "
             "or record again with more free space, a higher bound or fewer payload steps"
         )
     if wanted and damaged:

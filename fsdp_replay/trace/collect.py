@@ -228,7 +228,9 @@ class Collector:
         rr.steps, rr.collectives, rr.batches = b.n("steps"), b.n("collectives"), b.n("batches")
         end = b.attrs["end"]
         rr.clean_end = end is not None
-        rr.payloads_dropped = int(((end or {}).get("counters") or {}).get("blobs_dropped", 0))
+        counters = (end or {}).get("counters") or {}
+        rr.payloads_dropped = int(counters.get("blobs_dropped", 0))
+        rr.window = "flight_blobs_dropped" in counters
         rr.payload_missing = int(b.attrs["payload_missing"])
         rr.damage = list(b.attrs["damage"])
         rr.completeness = dict(store.completeness)

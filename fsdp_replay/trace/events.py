@@ -311,8 +311,8 @@ class FlightDump(TypedDict):
     """Payload blobs this dump wrote (RNG states included)."""
     nbytes: int
     dropped: int
-    """Payloads of these steps dropped at the memory bound (--max-pending-bytes): a replay
-    stops where it needs one."""
+    """Payloads of these steps dropped at the memory bound (--window-bytes): a replay stops
+    where it needs one."""
     t_ns: int
 
 

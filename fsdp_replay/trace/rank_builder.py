@@ -73,6 +73,7 @@ class RankReport:
     blob_bytes: int = 0
     payload_missing: int = 0
     payloads_dropped: int = 0  # by the agent (disk full, memory bound), from its end counters
+    window: bool = False  # a --payloads window:N run: its memory bound is --window-bytes
     damage: list[str] = field(default_factory=list)
     clean_end: bool = False
     error: str | None = None  # the rank could not be collected at all (its group was not written)

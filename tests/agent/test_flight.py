@@ -6,21 +6,38 @@ a dump through the real writer, spool and collector (``agent/record_flight.py``,
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
+import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+from harness import CLI, child_env, run
 
+from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
-from fsdp_replay.agent.flight import FlightRecorder, Held
+from fsdp_replay.agent.flight import (
+    FlightRecorder,
+    Held,
+    auto_window_bytes,
+    cgroup_available,
+    local_ranks,
+    mem_available,
+    window_bound,
+)
 from fsdp_replay.agent.payload_ring import RingSpace, Staged
 from fsdp_replay.agent.record_flight import FlightDumps
 from fsdp_replay.agent.writer import BackgroundWriter
+from fsdp_replay.analysis.findings import _rank_findings, flight_findings
+from fsdp_replay.cli.render import print_collect
+from fsdp_replay.errors import ConfigError
 from fsdp_replay.trace import schema, spool
 from fsdp_replay.trace.collect import collect
+from fsdp_replay.trace.rank_builder import CollectReport, RankReport
 from fsdp_replay.trace.reader import Trace
 
 
@@ -339,3 +356,126 @@ def test_payloads_held_for_a_late_check_but_before_the_window_are_not_written() 
     # content the dump did not write is held again when it comes back; written content is named
     assert s.hold(10, b"step 2") not in (s.ids[b"step 9"], schema.NO_BLOB)
     assert s.hold(10, b"step 9") == dump.blobs[[b.data for b in dump.blobs].index(b"step 9")].id
+
+
+# -- the window's memory bound (--window-bytes, sized from memory by default) ----------------------
+MEMINFO = """MemTotal:       263886948 kB
+MemFree:         1200340 kB
+MemAvailable:   201326592 kB
+Buffers:          342112 kB
+Cached:         190128732 kB
+"""
+AVAILABLE = 201326592 * 1024
+
+
+def test_the_bound_sized_from_memory_is_a_quarter_of_memavailable_per_local_rank() -> None:
+    assert mem_available(MEMINFO) == AVAILABLE
+    assert mem_available("MemTotal: 1024 kB\nMemFree: 512 kB\n") is None  # kernels before 3.14
+    assert auto_window_bytes(MEMINFO, {}, 1) == AVAILABLE // 4
+    assert auto_window_bytes(MEMINFO, {"LOCAL_WORLD_SIZE": "8"}, 1) == AVAILABLE // 32
+    for bad in ("", " ", "0", "-2", "two"):  # torchrun always sets it; anything else counts as one rank
+        assert local_ranks({"LOCAL_WORLD_SIZE": bad}) == 1
+    assert local_ranks({"LOCAL_WORLD_SIZE": " 4 "}) == 4
+    # never below the writer's bound (--max-pending-bytes)
+    assert auto_window_bytes(MEMINFO, {"LOCAL_WORLD_SIZE": "8"}, 1 << 40) == 1 << 40
+    assert auto_window_bytes(MEMINFO, {"LOCAL_WORLD_SIZE": "8"}, AVAILABLE // 32 - 1) == AVAILABLE // 32
+    assert auto_window_bytes(None, {}, 5) is None
+    assert auto_window_bytes("MemTotal: 1024 kB\n", {}, 5) is None
+    # in a container with a memory limit: what the limit leaves, where that is less
+    assert cgroup_available("8589934592\n", "1073741824\n") == 7 << 30
+    assert cgroup_available("max\n", "1073741824\n") is None and cgroup_available(None, "1") is None
+    assert cgroup_available("100", "200") == 0
+    assert auto_window_bytes(MEMINFO, {"LOCAL_WORLD_SIZE": "2"}, 1, cgroup=7 << 30) == (7 << 30) // 8
+    assert auto_window_bytes(MEMINFO, {}, 1, cgroup=AVAILABLE * 2) == AVAILABLE // 4
+
+
+def test_a_given_bound_wins_and_an_unreadable_meminfo_leaves_the_writers_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(MEMINFO)
+    assert window_bound(123, 1 << 30, {}, str(meminfo)) == (123, False)
+    assert window_bound(0, 1 << 20, {"LOCAL_WORLD_SIZE": "2"}, str(meminfo)) == (AVAILABLE // 8, True)
+    with caplog.at_level(logging.WARNING, logger="fsdp_replay.agent.flight"):
+        assert window_bound(0, 1 << 30, {}, str(tmp_path / "gone")) == (1 << 30, True)
+        meminfo.write_text("MemTotal: 1024 kB\n")
+        assert window_bound(0, 1 << 30, {}, str(meminfo)) == (1 << 30, True)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("MemAvailable" in m and "--window-bytes" in m for m in said), said
+    bound, auto = window_bound(0, 1, {})  # this host's /proc/meminfo
+    assert auto and bound > 1
+
+
+def test_window_bytes_is_an_option_of_its_own_and_reaches_the_agents_environment(tmp_path: Path) -> None:
+    config = RecordConfig(out="x", window_bytes=5 << 30)
+    env = config.to_env()
+    back = RecordConfig.from_env(env)
+    assert (back.window_bytes, back.max_pending_bytes) == (5 << 30, 1 << 30)
+    assert RecordConfig(out="x").window_bytes == 0  # sized from memory
+    with pytest.raises(ConfigError, match="FSDP_REPLAY_WINDOW_BYTES=-1 must be >= 0"):
+        RecordConfig.from_env({**env, "FSDP_REPLAY_WINDOW_BYTES": "-1"})
+    # the flag, over the variable, reaches the recorded command's environment (the agent reads it
+    # there: tests/system/test_flight_recorder.py finds it in a recorded run's policy)
+    seen = tmp_path / "seen"
+    child = [
+        sys.executable,
+        "-c",
+        f"import os; open({str(seen)!r}, 'w').write(os.environ['FSDP_REPLAY_WINDOW_BYTES'])",
+    ]
+    env = child_env(FSDP_REPLAY_WINDOW_BYTES="7")
+    for out, flag, got in (("flag", ["--window-bytes", "123"], "123"), ("variable", [], "7")):
+        record = [*CLI, "record", "--out", str(tmp_path / out), "--no-tape", "--no-collect", *flag]
+        run([*record, "--", *child], env=env)
+        assert seen.read_text() == got
+
+
+class Events:
+    """A writer that keeps the events it is given."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def event(self, ev: dict[str, Any]) -> None:
+        self.events.append(ev)
+
+
+def test_drops_of_a_window_run_name_its_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    ring = FlightRecorder(1, 10)
+    ring.hold_snapshot(0, {"step": 0}, [], 8)
+    assert ring.hold(0, 1, 11, "zlib64", _copy_of(b"x" * 11)) == schema.NO_BLOB
+    w = Events()
+    FlightDumps(ring, AgentState(payload_now=True)).step_end(w, 0, [1.0], [])  # type: ignore[arg-type]
+    (drop,) = w.events
+    assert drop["count"] == 1 and drop["reason"] == "the flight recorder's memory bound (--window-bytes)"
+    policy = {"payloads": "window:4", "window_bytes": 3 << 30, "window_bytes_auto": True}
+    counters = {"blobs_dropped": 5, "blob_bytes_dropped": 500, "flight_blobs_dropped": 5, "flight_dumps": 1}
+    dump = {"reason": "nonfinite", "detail": "a non-finite loss at the end of step 6", "t_ns": 1}
+    dump |= {"first_step": 4, "last_step": 6, "snapshot_step": 4, "blobs": 9, "nbytes": 900, "dropped": 5}
+    r = {
+        "rank": 0,
+        "steps": 7,
+        "end": {"reason": "exit", "counters": counters},
+        "environment": {"policy": policy},
+        "flight_recorder": {"dumps": [dump]},
+    }
+    (dropped,) = [f for f in _rank_findings(r, "run") if f["kind"] == "payloads_dropped"]
+    assert "--window-bytes" in dropped["next"] and "--max-pending-bytes" not in dropped["next"]
+    (flight,) = flight_findings([r], "run")
+    assert (
+        "5 of their payloads had been dropped at the memory bound (--window-bytes: 3221.2 MB, sized "
+        in (flight["message"])
+    )
+    plain = {**r, "end": {"reason": "exit", "counters": {"blobs_dropped": 5, "blob_bytes_dropped": 500}}}
+    (dropped,) = [f for f in _rank_findings(plain, "run") if f["kind"] == "payloads_dropped"]
+    assert "--max-pending-bytes" in dropped["next"]
+    # what record and collect print
+    ranks = [RankReport(0, payloads_dropped=5, window=True), RankReport(1, payloads_dropped=2)]
+    print_collect(CollectReport("trace", ranks))
+    err = capsys.readouterr().err
+    assert (
+        "rank 0: 5 payloads dropped while recording (disk full or the flight recorder's memory bound: "
+        "--window-bytes)" in err
+    )
+    assert (
+        "rank 1: 2 payloads dropped while recording (disk full or memory bound: --max-pending-bytes)" in err
+    )

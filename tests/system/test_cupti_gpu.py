@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,10 @@ def test_kernel_counts_and_order_per_step_match_torch_profiler(tmp_path: Path) -
     print("copies per step, ours:", our_copies, "torch.profiler:", theirs["copies"])
     assert theirs["markers"] == STEPS, "the profiled run must have marked every optimizer step"
     assert states and states[0]["state"] == "armed", states
+    detail = states[0].get("detail") or {}
+    print("decoder:", detail.get("decoder"), detail.get("decoder_reason", ""))
+    if shutil.which("g++"):  # the native reader is built wherever a compiler is
+        assert detail.get("decoder") == "native", detail
     assert not [s for s in states if s["state"] in ("error", "lost", "off")], states
     assert counters["cupti_errors"] == 0 and counters["cupti_dropped_error"] == 0
     assert counters["cupti_dropped_buffer"] == 0 and counters["cupti_dropped_incomplete"] == 0

@@ -10,6 +10,7 @@ faithful replay reproduces it). A run that ends well writes no payload at all.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -26,6 +27,7 @@ NAN_STEP = 9
 # window:4 with a snapshot every 2 steps: for a failure in step 9 the window reaches step 5 and
 # starts at the newest snapshot at or before it, step 4.
 WINDOW_START = 4
+WINDOW_BYTES = 256 << 20  # given: the NaN run's bound (the run that ends well sizes its own)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def nan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--nan-rank",
         "1",
         "--stop-on-nan",
-        record_args=("--payloads", "window:4", "--snapshot-every", "2"),
+        record_args=("--payloads", "window:4", "--snapshot-every", "2", "--window-bytes", str(WINDOW_BYTES)),
         check=False,
     )
     assert proc.returncode != 0 and "FloatingPointError" in proc.stderr, proc.stderr[-3000:]
@@ -83,6 +85,8 @@ def test_a_nan_writes_the_window_only_and_its_steps_replay_bit_exact(nan_run: Pa
         kept = set(rng["step"][rng["payload"] >= 0].tolist())
         assert -1 in kept and WINDOW_START in kept and not kept & set(range(1, WINDOW_START))
         assert rt.attrs["flight_unwritten"] > 0 and rt.attrs["payload_missing"] == 0
+        policy = rt.meta["policy"]
+        assert (policy["window_bytes"], policy["window_bytes_auto"]) == (WINDOW_BYTES, False), policy
     summary = json.loads(run([*CLI, "inspect", str(nan_run), "--json"]).stdout)
     (shown,) = [f for f in summary["findings"] if f["kind"] == "flight" and f["rank"] == 1]
     assert f"steps {WINDOW_START}..{NAN_STEP + 1} and the snapshot of step {WINDOW_START}" in shown["message"]
@@ -103,6 +107,9 @@ def test_a_nan_writes_the_window_only_and_its_steps_replay_bit_exact(nan_run: Pa
 
 def test_a_run_that_ends_well_writes_no_payload(tmp_path: Path) -> None:
     rec, _ = record(tmp_path, 2, "--steps", "6", *SMALL, record_args=("--payloads", "window:4"))
+    found = re.search(r"^MemTotal:\s*(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+    assert found is not None
+    total = int(found.group(1)) * 1024
     trace = Trace.open(rec / schema.TRACE_DIR)
     for rank in (0, 1):
         rt = trace.rank(rank)
@@ -117,6 +124,11 @@ def test_a_run_that_ends_well_writes_no_payload(tmp_path: Path) -> None:
         counters = rt.attrs["end"]["counters"]
         assert counters["flight_dumps"] == 0 and counters["flight_blobs_dropped"] == 0
         assert counters["flight_held_bytes"] > 0  # it did hold the window, to the end
+        # its bound, sized from this host's memory for torchrun's two local ranks: at least the
+        # writer's (1 GiB), and at most a quarter of all memory shared by two
+        policy = rt.meta["policy"]
+        assert policy["window_bytes_auto"] is True, policy
+        assert 1 << 30 <= policy["window_bytes"] <= max(1 << 30, total // 8), (policy, total)
     summary = json.loads(run([*CLI, "inspect", str(rec), "--json"]).stdout)
     (note,) = [f for f in summary["findings"] if f["kind"] == "flight"]
     assert "wrote no payloads" in note["message"] and note["next"].endswith("--all-ranks")

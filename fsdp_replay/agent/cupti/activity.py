@@ -4,7 +4,9 @@ Imported only when the rank trains on CUDA and ``--cupti`` is not ``off`` (``age
 so a CPU run never loads cupti-python. Everything here runs on the training thread at step ends
 (arming, disarming, flushing: a quiescent point, never while NCCL sets a communicator up, which
 happens inside the program's own calls), in our hooks (the marks, a few calls each), in CUPTI's
-buffer callback (``records.extract``) and on the writer thread (``records.Decoder``). No method
+buffer callback (native code, ``native.py``, or cupti-python's per-record ``records.extract``
+where the native reader cannot be used) and on the writer thread (``records.Decoder``, on arrays).
+No method
 raises into the program: a CUPTI error stops the capture (``_fail``: logged once, counted, a
 ``cupti_state`` event), never the recording.
 
@@ -38,15 +40,17 @@ from typing import Any
 import torch
 from cupti import cupti  # cupti-python, the `gpu` extra
 
+from fsdp_replay import options
 from fsdp_replay.agent.config import CuptiPolicy
 from fsdp_replay.agent.counters import AgentState
-from fsdp_replay.agent.cupti import coexist, records
+from fsdp_replay.agent.cupti import coexist, native, records
 from fsdp_replay.agent.writer import BackgroundWriter
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.schema import COPY_KIND_CODES
 
 log = logging.getLogger(__name__)
 
+NATIVE_ENV = "FSDP_REPLAY_CUPTI_NATIVE"  # 0: read CUPTI's buffers with cupti-python's callback
 BUFFER_BYTES = 4 << 20  # per activity buffer, as Kineto's; CUPTI asks for more as they fill
 FLUSH_EVERY_STEPS = 8
 FINISH_WAIT_S = 2.0  # at the end, how long the last kernels get to complete before the flush
@@ -160,6 +164,7 @@ class CuptiCapture:
         self._broken: BaseException | None = None  # an error seen off the training thread
         self._warned = False
         self.detail = self._inspect()
+        self._native = self._load_native()
         self.watch = coexist.ProfilerWatch(self.foreign_start)
         self.watch.install()
         step = state.pos.step
@@ -191,6 +196,26 @@ class CuptiCapture:
             "probe": probe,
             "_libraries": libraries,
         }
+
+    def _load_native(self) -> native.NativeRecords | None:
+        """The native buffer reader, or None (the detail says why): cupti-python's callback then."""
+        why = ""
+        if not options.process_switch(NATIVE_ENV, True):
+            why = f"{NATIVE_ENV}=0"
+        elif not self.detail.get("libcupti"):
+            why = "libcupti's path is not known"
+        else:
+            try:
+                offsets = native.layout_from_dtypes(native.family_dtypes(cupti))
+                reader = native.NativeRecords(self.detail["libcupti"], offsets, self.kinds, BUFFER_BYTES)
+            except (native.NativeError, OSError) as e:
+                why = str(e)[:500]
+        self.detail["decoder"] = "python" if why else "native"
+        if why:
+            self.detail["decoder_reason"] = why
+            log.info("fsdp-replay: CUPTI records read in Python (%s)", why)
+            return None
+        return reader
 
     def _state(self, state: str, reason: str, step: int, **extra: Any) -> None:
         self.writer.event(
@@ -328,7 +353,11 @@ class CuptiCapture:
 
     def _arm(self, step: int) -> None:
         if not self._registered:
-            cupti.activity_register_callbacks(self._requested, self._completed)
+            if self._native is not None:
+                self._native.register()
+                self._native.discard(False)
+            else:
+                cupti.activity_register_callbacks(self._requested, self._completed)
             self._registered = True
         first = self._window == 0
         if first:
@@ -385,8 +414,12 @@ class CuptiCapture:
     def _hand_over(self, window: int, final: bool = False, sync: bool = False) -> None:
         """The records so far (with the marks) to the writer thread, which decodes them; ``final``
         for the flush that ends ``window``."""
-        with self._lock:
-            batch, self._batch = self._batch, records.Batch()
+        batch: records.Batch | records.Arrays
+        if self._native is not None:
+            batch = self._native.take()
+        else:
+            with self._lock:
+                batch, self._batch = self._batch, records.Batch()
         marks, self._marks = self._marks, records.Marks()
         dropped = ctypes.c_size_t(0)
         with contextlib.suppress(Exception):  # the count is reset by each read (global buffers)
@@ -400,13 +433,15 @@ class CuptiCapture:
             self.writer.call(work)
 
     def _decode(
-        self, batch: records.Batch, marks: records.Marks, window: int, final: bool
+        self, batch: records.Batch | records.Arrays, marks: records.Marks, window: int, final: bool
     ) -> list[tuple[str, Any]]:
         """Writer thread: rows and events; an error here loses the batch (counted), and stops
         the capture at the next step end."""
         c = self.counters
         try:
             with self._decode_lock:
+                if batch.dropped:  # read while we stood aside or had stopped
+                    c["cupti_dropped_error" if self.off else "cupti_dropped_subscriber"] += batch.dropped
                 decoded = self._decoder.decode(batch, marks)
         except Exception as e:
             c["cupti_dropped_error"] += batch.records
@@ -452,6 +487,8 @@ class CuptiCapture:
             self._drain()
         self.paused = reason
         self._registered = False  # the other profiler registers its own callbacks
+        if self._native is not None:
+            self._native.discard(True)
         self.counters["cupti_pauses"] += 1
         log.warning("fsdp-replay: CUPTI capture stands aside at step %d: %s", step, reason)
         self._state("paused", reason, step)
@@ -509,6 +546,9 @@ class CuptiCapture:
                 cupti.activity_flush_all(1)
                 self._hand_over(self._window)
         self.off = f"error in {where}: {exc!r}"[:500]
+        if self._native is not None:
+            with contextlib.suppress(Exception):
+                self._native.discard(True)
         with contextlib.suppress(Exception):
             self._clear(self._tl)
         with contextlib.suppress(Exception):

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.schema import COPY_KIND_CODES
 
@@ -41,6 +43,8 @@ UNENCODABLE = (1 << 63) - 1
 MEMSET_KIND = COPY_KIND_CODES["memset"]
 # Rows of an event are cut into chunks of this many, so that no spool record grows large.
 ROWS_PER_EVENT = 4096
+# Words per row of ``Arrays``.
+KERNEL_WORDS, COPY_WORDS, API_WORDS, EXT_WORDS = 6, 7, 3, 2
 
 
 def ext_position(step: int, micro: int, seq: int) -> int:
@@ -92,6 +96,7 @@ class Batch:
     """(corr, external id) of the agent's external kind"""
     other: int = 0
     """records of kinds we did not ask for (another client's, while it owned CUPTI)"""
+    dropped: int = 0  # as ``Arrays.dropped`` (the Python path counts those in its callback)
 
     @property
     def records(self) -> int:
@@ -151,6 +156,59 @@ class Marks:
 
 
 @dataclass(slots=True)
+class Arrays:
+    """One batch as arrays of 64-bit words, kernel names as codes: what the native library
+    (``native.py``) takes out, and what ``Interner.arrays`` makes of a ``Batch``."""
+
+    kernels: np.ndarray
+    """(n, KERNEL_WORDS): corr, start, end, device, stream, name code"""
+    copies: np.ndarray
+    """(n, COPY_WORDS): corr, start, end, device, stream, the trace's copy kind code, bytes"""
+    api: np.ndarray
+    """(n, API_WORDS): corr, start, thread id"""
+    ext: np.ndarray
+    """(n, EXT_WORDS): corr, external id (of the agent's external kind)"""
+    names: list[str]
+    """the kernel names first seen in this batch: the codes after all earlier batches' names"""
+    other: int = 0
+    dropped: int = 0
+    """kernel and copy records counted, not kept (the native library was told to discard)"""
+
+    @property
+    def records(self) -> int:
+        return len(self.kernels) + len(self.copies)
+
+
+def _words(rows: list[Any], width: int) -> np.ndarray:
+    return np.array(rows, dtype=np.uint64).reshape(len(rows), width)
+
+
+class Interner:
+    """Kernel names -> codes in order of first appearance, for a ``Batch`` of the Python path."""
+
+    def __init__(self) -> None:
+        self.codes: dict[str, int] = {}
+
+    def arrays(self, batch: Batch) -> Arrays:
+        codes, new = self.codes, []
+        kernels = []
+        for corr, start, end, device, stream, name in batch.kernels:
+            code = codes.get(name)
+            if code is None:
+                code = codes[name] = len(codes)
+                new.append(name)
+            kernels.append((corr, start, end, device, stream, code))
+        return Arrays(
+            _words(kernels, KERNEL_WORDS),
+            _words(batch.copies, COPY_WORDS),
+            _words(batch.api, API_WORDS),
+            _words(batch.ext, EXT_WORDS),
+            new,
+            batch.other,
+        )
+
+
+@dataclass(slots=True)
 class Decoded:
     kernels: list[list[int]]
     copies: list[list[int]]
@@ -164,29 +222,52 @@ class Decoded:
     """rows placed by time (launched where no position id was pushed)"""
 
 
+_EMPTY_API = np.empty((0, API_WORDS), dtype=np.uint64)
+_EMPTY_EXT = np.empty((0, EXT_WORDS), dtype=np.uint64)
+_AGENT = np.uint64(AGENT_EXT_ID)
+_NONE = -1  # a field of a position that is not known
+
+
+def _first_per_key(keys: np.ndarray, *by: np.ndarray) -> np.ndarray:
+    """Indices of one row per distinct key: the first in the order ``by`` (last = primary) and
+    then arrival, sorted by key."""
+    order = np.lexsort((np.arange(len(keys)), *by, keys))
+    k = keys[order]
+    first = np.ones(len(k), dtype=bool)
+    first[1:] = k[1:] != k[:-1]
+    return order[first]
+
+
+def _lookup(table_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index into the sorted ``table_keys``, found) for each of ``keys``."""
+    if not len(table_keys):
+        return np.zeros(len(keys), dtype=np.int64), np.zeros(len(keys), dtype=bool)
+    i = np.minimum(np.searchsorted(table_keys, keys), len(table_keys) - 1)
+    return i, table_keys[i] == keys
+
+
 class Decoder:
-    """Joins and places records batch by batch (writer thread). API and external correlation
-    records arrive with their launch, kernel and copy records when the device has run them, so
-    they are kept for one more batch; the marks back to the oldest launch kept."""
+    """Joins and places records batch by batch (writer thread), on arrays. API and external
+    correlation records arrive with their launch, kernel and copy records when the device has
+    run them, so they are kept for one more batch; the marks back to the oldest launch kept."""
 
     def __init__(self) -> None:
-        self.names: dict[str, int] = {}
-        self._api: list[dict[int, tuple[int, int]]] = [{}, {}]  # (older, newer) batches
-        self._ext: list[dict[int, int]] = [{}, {}]
+        self.interner = Interner()  # for the Python path's batches
+        # Kernel names come numbered in order of first appearance among all records; the trace
+        # numbers only those of the rows it keeps (not the agent's own kernels), in row order.
+        self._source_names: list[str] = []
+        self._code_map = np.full(0, -1, dtype=np.int64)  # source code -> the trace's, or -1
+        self.name_count = 0  # the trace's kernel names so far: the next batch's name_base
+        self._api = [_EMPTY_API, _EMPTY_API]  # (older, newer) batches
+        self._ext = [_EMPTY_EXT, _EMPTY_EXT]
         self._pos_ts: list[int] = []
         self._positions: list[tuple[int, int, int]] = []
         self._agent: dict[int, tuple[list[int], list[bool]]] = {}
-        self._by_time = 0
 
     # -- state kept across batches ----------------------------------------------------------
-    def _add(self, batch: Batch, marks: Marks) -> None:
-        self._api = [self._api[1], {corr: (start, tid) for corr, start, tid in batch.api}]
-        ext: dict[int, int] = {}
-        for corr, ext_id in batch.ext:
-            # the agent's id wins: a launch inside our own work on the training thread carries it
-            if not ext.get(corr, 0) & AGENT_EXT_ID:
-                ext[corr] = ext_id
-        self._ext = [self._ext[1], ext]
+    def _add(self, batch: Arrays, marks: Marks) -> None:
+        self._api = [self._api[1], batch.api]
+        self._ext = [self._ext[1], batch.ext]
         if marks.positions:
             # stable by time: marks taken in the same nanosecond keep the order they were taken in
             merged = sorted(
@@ -207,7 +288,7 @@ class Decoder:
     def _prune(self) -> None:
         """Drop the marks before the oldest launch still kept (but the last one before it, which
         still says where that launch was)."""
-        starts = [start for api in self._api for start, _ in api.values()]
+        starts = [int(a[:, 1].min()) for a in self._api if len(a)]
         if not starts:
             return
         horizon = min(starts)
@@ -217,76 +298,115 @@ class Decoder:
             cut = max(0, bisect.bisect_right(times, horizon) - 1)
             del times[:cut], states[:cut]
 
-    def _agent_at(self, tid: int, ts: int) -> bool:
-        marks = self._agent.get(tid)
-        if marks is None:
-            return False
-        i = bisect.bisect_right(marks[0], ts)
-        return marks[1][i - 1] if i else False
-
-    def _position_at(self, ts: int) -> tuple[int, int, int] | None:
+    def _positions_at(self, ts: np.ndarray) -> np.ndarray:
+        """(n, 3) positions in force at each time (the first mark's before it; -1 with no marks)."""
         if not self._positions:
-            return None
-        i = bisect.bisect_right(self._pos_ts, ts)
-        return self._positions[max(i - 1, 0)]
+            return np.full((len(ts), 3), _NONE, dtype=np.int64)
+        i = np.searchsorted(np.asarray(self._pos_ts, dtype=np.uint64), ts, side="right")
+        return np.asarray(self._positions, dtype=np.int64)[np.maximum(i - 1, 0)]
 
-    def _place(self, corr: int) -> tuple[tuple[int, int, int] | None, bool] | None:
-        """(position, whether it is the agent's) of the launch of ``corr``, or None when no
-        record of that launch is known."""
-        ext = self._ext[1].get(corr)
-        if ext is None:
-            ext = self._ext[0].get(corr)
-        api = self._api[1].get(corr) or self._api[0].get(corr)
-        if ext is None and api is None:
-            return None
-        ours = ext is not None and bool(ext & AGENT_EXT_ID)
-        position = position_of(ext) if ext is not None else None
-        if position is not None:
-            return position, ours
-        if api is None:
-            return self._position_at(self._pos_ts[-1] if self._pos_ts else 0), ours
-        start, tid = api
-        if ext is None:
-            ours = self._agent_at(tid, start)  # launched where no id was pushed: the marks say whose
-            self._by_time += not ours
-        return self._position_at(start), ours
+    def _agent_at(self, tids: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        """Whether each launch (thread, host time) came inside the agent's own work."""
+        out = np.zeros(len(ts), dtype=bool)
+        for tid in np.unique(tids).tolist():
+            marks = self._agent.get(int(tid))
+            if not marks or not marks[0]:
+                continue
+            rows = np.flatnonzero(tids == tid)
+            i = np.searchsorted(np.asarray(marks[0], dtype=np.uint64), ts[rows], side="right")
+            states = np.asarray([False, *marks[1]], dtype=bool)
+            out[rows] = states[i]
+        return out
+
+    def _trace_codes(self, source: np.ndarray, new_names: list[str]) -> np.ndarray:
+        """The trace's codes of these rows' names, numbering (into ``new_names``) those first
+        seen, in row order."""
+        codes, first = np.unique(source, return_index=True)
+        fresh = codes[self._code_map[codes] < 0]
+        if len(fresh):
+            fresh = fresh[np.argsort(first[self._code_map[codes] < 0], kind="stable")]
+            self._code_map[fresh] = np.arange(self.name_count, self.name_count + len(fresh))
+            self.name_count += len(fresh)
+            new_names += [self._source_names[i] for i in fresh.tolist()]
+        return self._code_map[source]
 
     # -- one batch ----------------------------------------------------------------------------
-    def decode(self, batch: Batch, marks: Marks) -> Decoded:
+    def decode(self, batch: Arrays | Batch, marks: Marks) -> Decoded:
+        if isinstance(batch, Batch):
+            batch = self.interner.arrays(batch)
         self._add(batch, marks)
-        new_names: list[str] = []
-        out = Decoded([], [], new_names, len(self.names))
-        kernels, copies = batch.kernels, batch.copies
-        order = sorted(
-            [(k[0], 0, i) for i, k in enumerate(kernels)] + [(c[0], 1, i) for i, c in enumerate(copies)]
-        )
-        # A record whose launch left no record (none should) takes the place of the launch just
+        out = Decoded([], [], [], self.name_count)
+        if batch.names:
+            self._source_names += batch.names
+            grow = len(self._source_names) - len(self._code_map)
+            self._code_map = np.concatenate([self._code_map, np.full(grow, -1, dtype=np.int64)])
+        k, c = batch.kernels, batch.copies
+        nk = len(k)
+        rows = np.concatenate([k[:, :3], c[:, :3]]) if nk + len(c) else np.empty((0, 3), np.uint64)
+        is_copy = np.arange(len(rows)) >= nk
+        # correlation order (a launch's kernels before its copies, then as they came)
+        order = np.lexsort((np.arange(len(rows)), is_copy, rows[:, 0]))
+        start, end = rows[order, 1], rows[order, 2]
+        complete = (start > 0) & (end >= start)
+        out.incomplete = int(len(order) - complete.sum())
+        order = order[complete]
+        corr = rows[order, 0]
+        n = len(order)
+
+        # the launch's external id (the agent's wins where several were pushed) and API record
+        ext_all = np.concatenate(self._ext)
+        api_all = np.concatenate(self._api)
+        none = np.empty(0, dtype=np.int64)
+        ext_rows = _first_per_key(ext_all[:, 0], (ext_all[:, 1] & _AGENT) == 0) if len(ext_all) else none
+        api_rows = _first_per_key(api_all[:, 0]) if len(api_all) else none
+        ext_tab, api_tab = ext_all[ext_rows], api_all[api_rows]
+        ei, has_ext = _lookup(ext_tab[:, 0], corr)
+        ai, has_api = _lookup(api_tab[:, 0], corr)
+        ext_id = np.where(has_ext, ext_tab[ei, 1] if len(ext_tab) else 0, 0).astype(np.uint64)
+        ours = has_ext & ((ext_id & _AGENT) != 0)
+        encoded = has_ext & ~ours & (ext_id != np.uint64(UNENCODABLE))
+
+        where = np.full((n, 3), _NONE, dtype=np.int64)
+        # 1. where the launch said it was (its position id)
+        s1 = (ext_id & np.uint64(_SEQ_MAX)).astype(np.int64)
+        micro = ((ext_id >> np.uint64(SEQ_BITS)) & np.uint64(_MICRO_MAX)).astype(np.int64)
+        step = (ext_id >> np.uint64(SEQ_BITS + MICRO_BITS)).astype(np.int64)
+        where[encoded] = np.stack([step, micro, s1 - 1], axis=1)[encoded]
+        # 2. an id that says no position (the agent's, unencodable) and no API record: the latest
+        latest = ~encoded & has_ext & ~has_api
+        if latest.any() and self._positions:
+            where[latest] = self._positions[-1]
+        # 3. by the launch's host time: whose (marks, where no id was pushed) and where
+        timed = ~encoded & has_api
+        if timed.any():
+            a_start, a_tid = api_tab[ai[timed], 1], api_tab[ai[timed], 2]
+            where[timed] = self._positions_at(a_start)
+            bare = ~has_ext[timed]
+            agent = self._agent_at(a_tid[bare], a_start[bare])
+            sel = np.flatnonzero(timed)[bare]
+            ours[sel] = agent
+            out.by_time = int((~agent).sum())
+        # 4. a record whose launch left no record (none should) takes the place of the launch just
         # before it in correlation order, as the program's: leaving out the program's work on a
-        # guess would be worse than keeping one of ours.
-        last: tuple[int, int, int] | None = self._position_at(0)
-        for corr, is_copy, i in order:
-            start, end = (copies[i][1], copies[i][2]) if is_copy else (kernels[i][1], kernels[i][2])
-            if start <= 0 or end < start:
-                out.incomplete += 1
-                continue
-            place = self._place(corr)
-            position, ours = (last, False) if place is None else place
-            last = position
-            if ours:
-                out.agent += 1
-                continue
-            where = list(position) if position is not None else [-1, -1, -1]
-            if is_copy:
-                _, _, _, device, stream, kind, nbytes = copies[i]
-                out.copies.append([*where, corr, start, end, device, stream, kind, nbytes])
-            else:
-                _, _, _, device, stream, name = kernels[i]
-                code = self.names.get(name)
-                if code is None:
-                    code = self.names[name] = len(self.names)
-                    new_names.append(name)
-                out.kernels.append([*where, corr, start, end, device, stream, code])
-        out.by_time, self._by_time = self._by_time, 0
+        # guess would be worse than keeping one of ours
+        unknown = ~has_ext & ~has_api
+        if unknown.any():
+            known_at = np.where(unknown, -1, np.arange(n))
+            prev = np.maximum.accumulate(known_at)
+            first = self._positions_at(np.zeros(1, dtype=np.uint64))[0]
+            where[unknown] = np.where((prev >= 0)[:, None], where[np.maximum(prev, 0)], first)[unknown]
+
+        out.agent = int(ours.sum())
+        keep = ~ours
+        src, copy_rows, where = order[keep], is_copy[order[keep]], where[keep]
+        kern_idx = src[~copy_rows]
+        copy_idx = src[copy_rows] - nk
+        if len(kern_idx):
+            kept = k[kern_idx].astype(np.int64)
+            kept[:, 5] = self._trace_codes(kept[:, 5], out.names)
+            out.kernels = np.concatenate([where[~copy_rows], kept], axis=1).tolist()
+        if len(copy_idx):
+            out.copies = np.concatenate([where[copy_rows], c[copy_idx].astype(np.int64)], axis=1).tolist()
         self._prune()
         return out
 
