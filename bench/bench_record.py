@@ -131,6 +131,14 @@ CONFIGS: tuple[Config, ...] = (
         reference="meta-python",  # its own cost: over metadata-only with the same kernels
     ),
     Config(
+        "window4-ring2g",
+        ("--payloads", "window:4"),
+        "the flight recorder as window4, with a 2 GiB payload ring (FSDP_REPLAY_PAYLOAD_RING_BYTES): the "
+        "default 256 MiB ring drops the reference step's taped results while the writer settles them",
+        reference="meta-python",
+        env=("FSDP_REPLAY_PAYLOAD_RING_BYTES=2147483648",),
+    ),
+    Config(
         "meta-notape",
         ("--payloads", "none", "--no-tape"),
         "metadata + fingerprints, nondeterministic kernels not taped (--no-tape)",

@@ -6,6 +6,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_call_archive.sh"
 bash bench/gpu_suite.sh none > "$R/setup.log" 2>&1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+{ grep -E "MemTotal|MemAvailable" /proc/meminfo; for f in memory.max memory.current; do echo "$f: $(cat /sys/fs/cgroup/$f 2>&1)"; done; } > "$R/memory.txt"
 ARGS="--steps 12 --d-model 1024 --layers 8 --heads 16 --seq-len 512 --batch-size 16 --vocab 8192 --workers 2"
 for ring in 0 2147483648; do
   out=/tmp/win-$ring

@@ -299,9 +299,16 @@ def print_collect(report: Any) -> None:
                 if r.window
                 else "memory bound: --max-pending-bytes"
             )
+            why = f"disk full or {bound}"
+            if r.ring_full_drops:
+                ring = "no room in the GPU's payload ring: --payload-ring-bytes"
+                why = (
+                    ring
+                    if r.ring_full_drops >= r.payloads_dropped
+                    else f"{r.ring_full_drops}: {ring}; the rest: {why}"
+                )
             print(
-                f"  rank {r.rank}: {r.payloads_dropped} payloads dropped while recording (disk full or {bound}); "
-                "every event was kept",
+                f"  rank {r.rank}: {r.payloads_dropped} payloads dropped while recording ({why}); every event was kept",
                 file=sys.stderr,
             )
     print(f"fsdp-replay: trace written to {report.trace} in {report.seconds:.1f}s", file=sys.stderr)

@@ -230,6 +230,7 @@ class Collector:
         rr.clean_end = end is not None
         counters = (end or {}).get("counters") or {}
         rr.payloads_dropped = int(counters.get("blobs_dropped", 0))
+        rr.ring_full_drops = int(counters.get("ring_full_drops", 0))
         rr.window = "flight_blobs_dropped" in counters
         rr.payload_missing = int(b.attrs["payload_missing"])
         rr.damage = list(b.attrs["damage"])

@@ -74,6 +74,7 @@ class RankReport:
     payload_missing: int = 0
     payloads_dropped: int = 0  # by the agent (disk full, memory bound), from its end counters
     window: bool = False  # a --payloads window:N run: its memory bound is --window-bytes
+    ring_full_drops: int = 0  # of payloads_dropped: no room in a GPU's payload ring
     damage: list[str] = field(default_factory=list)
     clean_end: bool = False
     error: str | None = None  # the rank could not be collected at all (its group was not written)

@@ -469,7 +469,14 @@ def test_drops_of_a_window_run_name_its_bound(capsys: pytest.CaptureFixture[str]
     (dropped,) = [f for f in _rank_findings(plain, "run") if f["kind"] == "payloads_dropped"]
     assert "--max-pending-bytes" in dropped["next"]
     # what record and collect print
-    ranks = [RankReport(0, payloads_dropped=5, window=True), RankReport(1, payloads_dropped=2)]
+    ranks = [
+        RankReport(0, payloads_dropped=5, window=True),
+        RankReport(1, payloads_dropped=2),
+        # on a GPU: payloads the payload ring had no room for (measured: the reference step's taped
+        # results with the default ring, session 13)
+        RankReport(2, payloads_dropped=380, window=True, ring_full_drops=380),
+        RankReport(3, payloads_dropped=5, window=True, ring_full_drops=3),
+    ]
     print_collect(CollectReport("trace", ranks))
     err = capsys.readouterr().err
     assert (
@@ -479,3 +486,9 @@ def test_drops_of_a_window_run_name_its_bound(capsys: pytest.CaptureFixture[str]
     assert (
         "rank 1: 2 payloads dropped while recording (disk full or memory bound: --max-pending-bytes)" in err
     )
+    assert (
+        "rank 2: 380 payloads dropped while recording (no room in the GPU's payload ring: --payload-ring-bytes)"
+        in err
+    )
+    assert "rank 3: 5 payloads dropped while recording (3: no room in the GPU's payload ring" in err
+    assert "the rest: disk full or the flight recorder's memory bound: --window-bytes)" in err
