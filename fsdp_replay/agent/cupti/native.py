@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import re
 import shutil
-import subprocess
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -91,16 +88,13 @@ def build(source: Path = SOURCE) -> Path:
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise NativeError("no C++ compiler (g++) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", str(source), "-ldl", "-o", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-10:])
-            raise NativeError(f"{Path(cxx).name} failed (exit {proc.returncode}):\n{tail}")
-        os.replace(out, target)
-    return target
+    return builder.compile_into(
+        target,
+        lambda _tmp, out: [
+            [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", str(source), "-ldl", "-o", str(out)]
+        ],
+        NativeError,
+    )
 
 
 class NativeRecords:

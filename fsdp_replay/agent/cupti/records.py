@@ -322,9 +322,9 @@ class Decoder:
         """The trace's codes of these rows' names, numbering (into ``new_names``) those first
         seen, in row order."""
         codes, first = np.unique(source, return_index=True)
-        fresh = codes[self._code_map[codes] < 0]
-        if len(fresh):
-            fresh = fresh[np.argsort(first[self._code_map[codes] < 0], kind="stable")]
+        unnumbered = self._code_map[codes] < 0
+        if unnumbered.any():
+            fresh = codes[unnumbered][np.argsort(first[unnumbered], kind="stable")]
             self._code_map[fresh] = np.arange(self.name_count, self.name_count + len(fresh))
             self.name_count += len(fresh)
             new_names += [self._source_names[i] for i in fresh.tolist()]

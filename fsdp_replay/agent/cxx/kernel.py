@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,12 +136,11 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Path:
     include = tdir / "include"
     if not (include / "torch" / "csrc" / "distributed" / "c10d" / "Work.hpp").exists():
         raise KernelError(f"torch's C++ headers are not installed under {include}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        core_o = Path(tmp) / "_fpcore.o"
-        out = Path(tmp) / target.name
-        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        steps = [
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+    def steps(tmp: Path, out: Path) -> list[list[str]]:
+        core_o = tmp / "_fpcore.o"
+        return [
             [cc, "-O3", "-std=gnu11", "-fPIC", "-c", str(CORE), "-o", str(core_o)],
             [
                 cxx,
@@ -163,14 +163,29 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Path:
                 str(out),
             ],
         ]
-        for cmd in steps:
+
+    return compile_into(target, steps, KernelError, verbose)
+
+
+def compile_into(
+    target: Path,
+    steps: Callable[[Path, Path], list[list[str]]],
+    error: type[Exception],
+    verbose: bool = False,
+) -> Path:
+    """Run the compiler commands ``steps(scratch folder, output)`` and move the output to
+    ``target`` (atomically: concurrent builds of the same key agree); ``error`` says why not."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        for cmd in steps(Path(tmp), out):
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if verbose:
                 print(proc.stdout + proc.stderr)
             if proc.returncode != 0:
                 tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-                raise KernelError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}):\n{tail}")
-        os.replace(out, target)  # atomic: concurrent builds of the same key agree
+                raise error(f"{Path(cmd[0]).name} failed (exit {proc.returncode}):\n{tail}")
+        os.replace(out, target)
     return target
 
 
