@@ -134,7 +134,7 @@ CONFIGS: tuple[Config, ...] = (
         "window4-ring2g",
         ("--payloads", "window:4"),
         "the flight recorder as window4, with a 2 GiB payload ring (FSDP_REPLAY_PAYLOAD_RING_BYTES): the "
-        "default 256 MiB ring drops the reference step's taped results while the writer settles them",
+        "reference step's payloads in flight (about 1 GB a step) overflow the default 256 MiB ring",
         reference="meta-python",
         env=("FSDP_REPLAY_PAYLOAD_RING_BYTES=2147483648",),
     ),

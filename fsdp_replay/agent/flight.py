@@ -12,16 +12,17 @@ since, and a ``flight_dump`` event says what was written and why. A run that end
 none of it. A SIGKILL loses what is held (the metadata before it is on disk as usual).
 
 A device payload reaches host memory through its GPU's payload ring (``payload_ring.py``), as a
-stored payload does without a window, so the training stream never copies to the host: it is held
-as its ring slot at first, and the writer thread settles it (``settle``: once the slot's copy is
-complete, the bytes move into memory the flight recorder owns and the slot is freed), so a window
-of N steps never occupies the ring. A held payload evicted before it is settled only frees its
-slot; one a dump takes before it is settled is written from the slot.
+stored payload does without a window, so the training stream never copies to the host; but its
+side-stream copy lands in pinned memory of its own (from torch's caching host allocator) rather
+than in the ring's host buffer, and its device slot is freed as soon as that copy is done. So a
+window of N steps never occupies the ring, no thread copies its bytes again on the host, and the
+pinned blocks of payloads let go of are reused by the next steps' (their sizes repeat from step
+to step). Such a payload is charged at its pinned block's size (``payload_ring.pinned_bytes``).
 
 What is held: the steps from the newest snapshot at or before ``current - steps - lag`` to the
 step in progress, so between N+1 and N+interval steps (plus ``lag``: on a GPU the non-finite
 check runs on the writer thread, up to two steps behind the training thread), and the snapshots
-from there on (two with the default interval). Payload bytes are bounded by ``max_bytes``
+from there on (two with the default interval). Payload bytes (as charged) are bounded by ``max_bytes``
 (``--window-bytes``; by default sized from the host's available memory: ``window_bound``): past
 it the window first starts at a later held snapshot (fewer steps, still replayable), then new
 payloads are dropped, each counted (and reported at the step's end as a ``drop`` event).
@@ -123,7 +124,8 @@ def window_bound(
 @dataclass(slots=True)
 class Held:
     """A payload in memory: its bytes (a CPU tensor, pinned for a device's, or bytes), the event
-    after which a device copy is complete (or None), and the last step whose events name it."""
+    after which a device copy is complete (or None), the last step whose events name it, and the
+    memory it is charged against the bound (``nbytes``, or its pinned block's size)."""
 
     id: int
     data: Any
@@ -131,7 +133,7 @@ class Held:
     ready: Any
     last_step: int
     key: Key | None
-    evicted: bool = False  # let go of by the window (its slot, if unsettled, is only freed)
+    cost: int
 
 
 @dataclass(slots=True)
@@ -186,24 +188,38 @@ class FlightRecorder:
         self._dropped_in: dict[int, int] = {}  # step -> payloads dropped, not yet in a dump
         self._dumped: tuple[int, int, int] | None = None  # steps written so far, their snapshot
         self._unreported = [0, 0, 0]  # drops since ``take_drops``: count, bytes, ring full
-        self.settled = 0  # device payloads moved from their ring slot into held memory
+        self.landed = 0  # device payloads copied by their GPU's ring into pinned memory of their own
         self.ring_full = 0  # of ``dropped``: the payload ring had no room
 
     # -- the program's side -------------------------------------------------------------------
     def hold(
-        self, step: int, fp: Any, nbytes: int, algo: str, copy: Callable[[], tuple[Any, Any] | None]
+        self,
+        step: int,
+        fp: Any,
+        nbytes: int,
+        algo: str,
+        copy: Callable[[], tuple[Any, Any] | None],
+        cost: int | None = None,
     ) -> int:
         """The blob id the events of ``step`` name for these bytes: one already held or written
         with the same content (fingerprint, size, algorithm), else a new one holding ``copy()``
         (data, ready event); ``NO_BLOB`` when the memory bound leaves no room, or ``copy`` found
-        none in the payload ring (it returned None): counted."""
-        return self.hold_new(step, fp, nbytes, algo, copy)[0]
+        none in the payload ring (it returned None): counted. ``cost``: the memory the copy takes
+        (``nbytes`` unless given), charged against the bound."""
+        return self.hold_new(step, fp, nbytes, algo, copy, cost)[0]
 
     def hold_new(
-        self, step: int, fp: Any, nbytes: int, algo: str, copy: Callable[[], tuple[Any, Any] | None]
+        self,
+        step: int,
+        fp: Any,
+        nbytes: int,
+        algo: str,
+        copy: Callable[[], tuple[Any, Any] | None],
+        cost: int | None = None,
     ) -> tuple[int, Held | None]:
         """``hold``, and the ``Held`` it made (None where it named bytes held or written before,
-        or dropped): what ``settle`` takes for a payload held as its ring slot."""
+        or dropped)."""
+        cost = nbytes if cost is None else cost
         key = (fp, nbytes, algo) if isinstance(fp, int) else None  # a device fingerprint is not known yet
         with self._lock:
             if key is not None and (found := self._keys.get(key)) is not None:
@@ -212,7 +228,7 @@ class FlightRecorder:
                     held.last_step = step
                     self._by_step.setdefault(step, []).append(found)
                 return found, None
-            if self.held_bytes + nbytes > self.max_bytes and not self._shrink(nbytes):
+            if self.held_bytes + cost > self.max_bytes and not self._shrink(cost):
                 return self._drop(step, nbytes), None
             made = copy()
             if made is None:  # a device payload its GPU's payload ring has no room for now
@@ -220,11 +236,11 @@ class FlightRecorder:
             data, ready = made
             blob_id = self._next_id
             self._next_id += 1
-            held = self._held[blob_id] = Held(blob_id, data, nbytes, ready, step, key)
+            held = self._held[blob_id] = Held(blob_id, data, nbytes, ready, step, key, cost)
             self._by_step.setdefault(step, []).append(blob_id)
             if key is not None:
                 self._keys[key] = blob_id
-            self.held_bytes += nbytes
+            self.held_bytes += cost
             return blob_id, held
 
     def hold_later(self, step: int) -> tuple[int, Callable[[bytes], None]]:
@@ -234,36 +250,16 @@ class FlightRecorder:
         with self._lock:
             blob_id = self._next_id
             self._next_id += 1
-            held = self._held[blob_id] = Held(blob_id, None, 0, None, step, None)
+            held = self._held[blob_id] = Held(blob_id, None, 0, None, step, None, 0)
             self._by_step.setdefault(step, []).append(blob_id)
 
         def fill(data: bytes) -> None:
             with self._writer_side():
-                held.data, held.nbytes = data, len(data)
+                held.data, held.nbytes, held.cost = data, len(data), len(data)
                 if self._held.get(blob_id) is held:  # else evicted, or handed to a dump already
                     self.held_bytes += len(data)
 
         return blob_id, fill
-
-    def settle(self, held: Held) -> list[tuple[str, Any]]:
-        """Writer thread (a ``BackgroundWriter.call``): a payload held as its ring slot
-        (``payload_ring.Staged``) moves into host memory of its own and the slot is freed; an
-        evicted one only frees it. Runs after any dump taken before it (the writer's order), so
-        such a dump wrote from the slot itself."""
-        staged, ready = held.data, held.ready
-        if not hasattr(staged, "release"):
-            return []
-        try:
-            if not held.evicted:
-                if ready is not None:
-                    ready.synchronize()
-                owned = staged.host.clone()  # a CPU copy: releases the GIL for its bytes
-                with self._writer_side():
-                    held.data, held.ready = owned, None
-                self.settled += 1
-        finally:
-            staged.release()
-        return []
 
     def hold_snapshot(self, step: int, state: Any, metas: list[list[Any]], nbytes: int) -> None:
         with self._lock:
@@ -314,8 +310,7 @@ class FlightRecorder:
             # the window's payloads; older ones (held for a failure seen late: ``lag``) let go
             blobs = [h for h in self._held.values() if h.last_step >= first]
             for h in self._held.values():
-                h.evicted = h.last_step < first  # (a slot's: freed by ``settle``)
-                if h.evicted and h.key is not None and self._keys.get(h.key) == h.id:
+                if h.last_step < first and h.key is not None and self._keys.get(h.key) == h.id:
                     del self._keys[h.key]  # (a written one's stays: later steps name it)
             self._held.clear()
             self.held_bytes = 0
@@ -333,7 +328,7 @@ class FlightRecorder:
             "flight_bytes_dropped": self.dropped_bytes,
             "flight_window_shrinks": self.shrinks,
             "flight_dumps": self.dumps,
-            "flight_ring_settled": self.settled,
+            "flight_ring_landed": self.landed,
             "flight_ring_full_drops": self.ring_full,
         }
 
@@ -373,8 +368,7 @@ class FlightRecorder:
                 held = self._held.get(blob_id)
                 if held is not None and held.last_step < start:
                     del self._held[blob_id]
-                    held.evicted = True  # (a slot's: freed by ``settle``)
-                    self.held_bytes -= held.nbytes
+                    self.held_bytes -= held.cost
                     if held.key is not None and self._keys.get(held.key) == blob_id:
                         del self._keys[held.key]
         for step in [s for s in self._snapshots if s < start]:

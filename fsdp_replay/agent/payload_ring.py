@@ -15,11 +15,16 @@ ring does it in two copies, ordered by CUDA events:
 
 The device and the host buffer have the same size and a payload has the same offset in both;
 slots are taken in ring order (``RingSpace``) and freed by the writer, which writes them in the
-order they were taken. When there is no room (the writer is behind, or a payload is larger than
+order they were taken. A payload the flight recorder holds (``--payloads window:N``) lands instead
+in pinned memory of its own (``stage(..., own=True)``, through torch's caching host allocator, so
+the blocks of evicted payloads are reused for the next steps' payloads of the same size class):
+its device slot is freed by the training thread as soon as that copy is done (``reap``: an event
+query at the next stage), and nothing is copied on the host at all. When there is no room (the writer is behind, or a payload is larger than
 the ring) the payload is dropped and counted (``ring_full_drops``), its metadata and fingerprint
-kept: the training thread never waits for room. Both buffers are allocated when the first device
-payload of a device is stored (the device one through the caching allocator, so it shows in the
-program's memory statistics) and live until the process ends.
+kept: the training thread never waits for room. The device buffer is allocated when the first
+device payload of a device is stored (through the caching allocator, so it shows in the
+program's memory statistics), the pinned host buffer at the first payload that goes through it;
+both live until the process ends.
 
 The bound, stated: per stored device payload, the training stream runs one device-to-device copy
 of its bytes and one event record; it never waits for the host copy, the writer or the disk.
@@ -31,7 +36,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -98,6 +103,43 @@ class RingSpace:
             return len(self._live)
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """The pinned memory torch's caching host allocator takes for ``nbytes``: its blocks are
+    powers of two (what the flight recorder charges against its bound for a pinned payload)."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+class _Done(Protocol):
+    def query(self) -> bool: ...
+
+
+class Landing:
+    """Slots whose host copy lands in memory of its own, oldest first: each is freed once its
+    copy's event has completed. The copies run in order on one side stream, so the oldest
+    pending one is the first to complete and ``reap`` stops at the first that has not."""
+
+    def __init__(self, space: RingSpace) -> None:
+        self.space = space
+        self._pending: deque[tuple[_Done, int]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, done: _Done, offset: int) -> None:
+        with self._lock:
+            self._pending.append((done, offset))
+
+    def reap(self) -> int:
+        """Free the slots whose copies are done (never waits); how many were freed."""
+        freed = 0
+        with self._lock:
+            while self._pending and self._pending[0][0].query():
+                self.space.free(self._pending.popleft()[1])
+                freed += 1
+        return freed
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
 @dataclass(slots=True)
 class Staged:
     """A payload's bytes in the host ring (valid once ``ready`` completes); ``release`` frees the
@@ -123,14 +165,34 @@ class PayloadRing:
         self.device = device
         n = self.space.capacity
         self.dev = torch.empty(n, dtype=torch.uint8, device=device)
-        self.host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        self._host: torch.Tensor | None = None  # the pinned half, made at its first payload
         self.stream = torch.cuda.Stream(device=device)
+        self.landing = Landing(self.space)
 
-    def stage(self, t: torch.Tensor, nbytes: int) -> tuple[Staged, Any] | None:
-        """Copy ``t`` (on this ring's device) into a slot; None when the ring has no room."""
+    @property
+    def host(self) -> torch.Tensor:
+        if self._host is None:
+            self._host = torch.empty(self.space.capacity, dtype=torch.uint8, pin_memory=True)
+        return self._host
+
+    def stage(self, t: torch.Tensor, nbytes: int, own: bool = False) -> tuple[Any, Any] | None:
+        """Copy ``t`` (on this ring's device) into a slot; None when the ring has no room. The
+        bytes land in the slot of the pinned host buffer (a ``Staged`` the writer releases), or
+        with ``own`` in a pinned uint8 tensor of their own, the slot freed by a later ``reap``."""
+        if len(self.landing):
+            self.landing.reap()
         off = self.space.take(nbytes)
         if off is None:
             return None
+        try:
+            host = (
+                torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                if own
+                else self.host[off : off + nbytes]
+            )
+        except RuntimeError:  # no pinned memory: the caller's plain copy says so
+            self.space.free(off)
+            raise
         dev = self.dev[off : off + nbytes]
         # 1. on the training stream: the bytes as they are now (an in-place write after this
         # point does not reach the slot)
@@ -146,13 +208,16 @@ class PayloadRing:
             raise
         copied = torch.cuda.Event()
         copied.record(training)
-        # 2. on the side stream, behind that copy: to the host
-        host = self.host[off : off + nbytes]
+        # 2. on the side stream, behind that copy: to the host (torch's copy records its event
+        # on a block of the caching host allocator, which reuses the block only after it)
         self.stream.wait_event(copied)
         with torch.cuda.stream(self.stream):
             host.copy_(dev, non_blocking=True)
         ready = torch.cuda.Event(blocking=True)
         ready.record(self.stream)
+        if own:
+            self.landing.add(ready, off)
+            return host, ready
         return Staged(host, self, off), ready
 
 

@@ -11,7 +11,7 @@ from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.fingerprint import fingerprint, nbytes_of
 from fsdp_replay.agent.flight import FlightRecorder
-from fsdp_replay.agent.payload_ring import PayloadRings, Staged
+from fsdp_replay.agent.payload_ring import PayloadRings, pinned_bytes
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.events import Tensor
@@ -72,42 +72,45 @@ class TensorRecorder:
         self.small_always = not config.payloads.empty and not config.payloads.window
         self.rings = PayloadRings(config.payload_ring_bytes)
 
-    def _stage(self, t: torch.Tensor, nbytes: int) -> tuple[Staged, Any] | Literal[False] | None:
+    def _stage(
+        self, t: torch.Tensor, nbytes: int, own: bool = False
+    ) -> tuple[Any, Any] | Literal[False] | None:
         """A device tensor's bytes on their way to the host through its device's ring
-        (``payload_ring.py``); None: no ring (the plain copy); False: the ring is full."""
+        (``payload_ring.py``; with ``own``, into pinned memory of their own); None: no ring (the
+        plain copy); False: the ring is full."""
         if t.device.type != "cuda":
             return None
         ring = self.rings.ring(t.device)
         if ring is None:
             return None
         try:
-            staged = ring.stage(t, nbytes)
-        except RuntimeError:  # a dtype the byte ring cannot view: the plain copy
+            staged = ring.stage(t, nbytes, own)
+        except RuntimeError:  # a dtype the byte ring cannot view, no pinned memory: the plain copy
             return None
         return False if staged is None else staged
 
     def _hold(self, w: BackgroundWriter, t: torch.Tensor, fp: Any, nbytes: int, algo: str) -> int:
-        """Into the flight recorder's memory: a device payload through its GPU's ring, settled
-        into held memory by the writer (``FlightRecorder.settle``), else a plain copy."""
+        """Into the flight recorder's memory: a device payload through its GPU's ring into pinned
+        memory of its own, else a plain copy; charged at the pinned block's size on a GPU."""
         assert self.flight is not None
         how: list[str] = []
 
         def copy() -> tuple[Any, Any] | None:
-            made = self._stage(t, nbytes)
+            made = self._stage(t, nbytes, own=True)
             if made is False:
                 how.append("ring full")
                 return None
             if made is None:
                 return _copy(t)
-            how.append("staged")
+            how.append("landed")
             return made
 
-        blob, held = self.flight.hold_new(self.state.pos.step, fp, nbytes, algo, copy)
+        cost = pinned_bytes(nbytes) if t.device.type == "cuda" else nbytes
+        blob, held = self.flight.hold_new(self.state.pos.step, fp, nbytes, algo, copy, cost)
         if blob == schema.NO_BLOB:
             w.count_dropped(nbytes, ring_full=how == ["ring full"])
-        elif held is not None and how == ["staged"]:
-            settle = self.flight.settle
-            w.call(lambda: settle(held))
+        elif held is not None and how == ["landed"]:
+            self.flight.landed += 1
         return blob
 
     def small_limit(self, step: int) -> int:

@@ -343,8 +343,8 @@ class BackgroundWriter:
 
     def _write_held(self, blob_id: int, data: Any, nbytes: int, ready: Any) -> None:
         """A payload the flight recorder held, under the id its events already name (so never
-        deduplicated here: the recorder did that when it held it); ``data`` may still be its ring
-        slot (``payload_ring.Staged``), which ``FlightRecorder.settle`` frees after this."""
+        deduplicated here: the recorder did that when it held it): a CPU tensor (pinned, for a
+        device payload, complete once ``ready`` is) or bytes."""
         if ready is not None:
             ready.synchronize()
         if not self.payloads_off:

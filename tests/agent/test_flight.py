@@ -10,7 +10,6 @@ import logging
 import math
 import sys
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,13 @@ from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.flight import (
     FlightRecorder,
-    Held,
     auto_window_bytes,
     cgroup_available,
     local_ranks,
     mem_available,
     window_bound,
 )
-from fsdp_replay.agent.payload_ring import RingSpace, Staged
+from fsdp_replay.agent.payload_ring import Landing, RingSpace
 from fsdp_replay.agent.record_flight import FlightDumps
 from fsdp_replay.agent.writer import BackgroundWriter
 from fsdp_replay.analysis.findings import _rank_findings, flight_findings
@@ -248,56 +246,86 @@ def test_a_dump_is_written_under_the_ids_its_events_named_and_the_rest_reads_as_
     assert rt.attrs["flight_unwritten"] == 2 and rt.attrs["payload_missing"] == 0
 
 
-# -- device payloads held as their ring slot, settled by the writer -------------------------------
+# -- device payloads landed through the payload ring in memory of their own -----------------------
+class Copy:
+    """A side-stream copy into pinned memory: its event, done when the test says."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:  # the writer waits for it before it writes the bytes
+        self.waited += 1
+        self.done = True
+
+
 class Slots:
-    """The host side of a GPU's payload ring (``payload_ring.py``) without the GPU: a real
-    ``RingSpace`` over a host buffer, slots handed out as ``Staged``. What a device adds (the two
-    copies and their events) is tested on the GPU (tests/system/test_gpu.py)."""
+    """A GPU's payload ring (``payload_ring.py``) without the GPU: a real ``RingSpace`` and
+    ``Landing``, each payload copied into a slot and from it into a tensor of its own, the slot
+    freed once that copy is done. What a device adds (the copies on two streams and their events)
+    is tested on the GPU (tests/system/test_gpu.py)."""
 
     def __init__(self, capacity: int) -> None:
         self.space = RingSpace(capacity)
-        self.host = torch.zeros(self.space.capacity, dtype=torch.uint8)
+        self.landing = Landing(self.space)
+        self.dev = torch.zeros(self.space.capacity, dtype=torch.uint8)
+        self.copies: list[Copy] = []
 
     def stage(self, data: bytes) -> Callable[[], tuple[Any, Any] | None]:
         def copy() -> tuple[Any, Any] | None:
+            self.landing.reap()
             off = self.space.take(len(data))
             if off is None:
                 return None
-            host = self.host[off : off + len(data)]
-            host.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            return Staged(host, self, off), None  # type: ignore[arg-type]
+            slot = self.dev[off : off + len(data)]
+            slot.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            own = slot.clone()
+            done = Copy()
+            self.copies.append(done)
+            self.landing.add(done, off)
+            return own, done
 
         return copy
 
 
-def test_a_slot_held_payload_is_settled_into_its_own_memory_and_the_slot_freed() -> None:
+def test_a_landed_payload_is_its_own_memory_and_its_slot_is_freed_when_the_copy_is_done() -> None:
     slots, ring = Slots(4096), FlightRecorder(2, 1 << 20)
     ring.hold_snapshot(0, {"step": 0}, [], 8)
-    a, held_a = ring.hold_new(0, object(), 1000, "lin64", slots.stage(b"a" * 1000))
-    b, held_b = ring.hold_new(0, object(), 1000, "lin64", slots.stage(b"b" * 1000))
+    a, held_a = ring.hold_new(0, object(), 1000, "lin64", slots.stage(b"a" * 1000), cost=1024)
+    b, held_b = ring.hold_new(0, object(), 1000, "lin64", slots.stage(b"b" * 1000), cost=1024)
     assert held_a is not None and held_b is not None and slots.space.live() == 2
-    assert ring.settle(held_a) == [] and slots.space.live() == 1
-    slots.host.fill_(0)  # the slot's bytes are reused: the held copy is its own
+    assert ring.counters()["flight_held_bytes"] == 2048  # charged at the pinned blocks' size
+    slots.copies[0].done = True
+    assert slots.landing.reap() == 1 and slots.space.live() == 1
+    slots.dev.fill_(0)  # the slots' bytes are reused: the held copies are their own
     dump = ring.take("exception", "")
     held = {h.id: h for h in dump.blobs}
-    assert bytes(held[a].data.numpy()) == b"a" * 1000 and held[a].ready is None
-    assert isinstance(held[b].data, Staged)  # taken before it was settled: written from the slot
-    ring.settle(held_b)
-    assert slots.space.live() == 0 and slots.space.used == 0
-    assert ring.counters()["flight_ring_settled"] == 2
+    assert bytes(held[a].data.numpy()) == b"a" * 1000 and bytes(held[b].data.numpy()) == b"b" * 1000
+    assert held[b].ready is slots.copies[1]  # the writer waits for it before writing
+    assert ring.counters()["flight_held_bytes"] == 0
 
 
-def test_a_payload_evicted_before_it_is_settled_only_frees_its_slot() -> None:
+def test_a_payload_whose_pinned_block_exceeds_the_bound_is_dropped_though_its_bytes_fit() -> None:
+    slots, ring = Slots(1 << 16), FlightRecorder(2, 3000)
+    ring.hold_snapshot(0, {"step": 0}, [], 8)
+    assert ring.hold(0, object(), 1500, "lin64", slots.stage(b"a" * 1500), cost=2048) != schema.NO_BLOB
+    assert ring.hold(0, object(), 1000, "lin64", slots.stage(b"b" * 1000), cost=1024) == schema.NO_BLOB
+    assert ring.take_drops() == (1, 1000, 0) and slots.space.live() == 1
+
+
+def test_evicted_payloads_give_back_their_charge_and_their_slots_still_free() -> None:
     slots, ring = Slots(4096), FlightRecorder(1, 1 << 20)
     ring.hold_snapshot(0, {"step": 0}, [], 8)
-    _, old = ring.hold_new(0, object(), 500, "lin64", slots.stage(b"x" * 500))
-    assert old is not None
+    assert ring.hold(0, object(), 500, "lin64", slots.stage(b"x" * 500), cost=512) != schema.NO_BLOB
     for step in (1, 2, 3):
         ring.hold_snapshot(step, {"step": step}, [], 8)
         ring.advance(step)  # the window (1 step back to a snapshot) lets step 0 go
     assert ring.counters()["flight_held_bytes"] == 0 and slots.space.live() == 1
-    ring.settle(old)
-    assert slots.space.live() == 0 and ring.counters()["flight_ring_settled"] == 0
+    slots.copies[0].done = True
+    assert slots.landing.reap() == 1 and slots.space.live() == 0
 
 
 def test_a_full_payload_ring_drops_the_payload_and_says_so() -> None:
@@ -308,9 +336,11 @@ def test_a_full_payload_ring_drops_the_payload_and_says_so() -> None:
     assert ring.take_drops() == (1, 1000, 1)
     c = ring.counters()
     assert (c["flight_blobs_dropped"], c["flight_ring_full_drops"], c["flight_held_bytes"]) == (1, 1, 1000)
+    slots.copies[0].done = True  # the copy is done: the next payload finds room
+    assert ring.hold(0, object(), 1000, "lin64", slots.stage(b"c" * 1000)) != schema.NO_BLOB
 
 
-def test_a_dump_taken_before_the_settle_is_written_from_the_slot(tmp_path: Path) -> None:
+def test_a_dump_taken_before_the_copies_are_done_waits_for_them(tmp_path: Path) -> None:
     st = AgentState(payload_now=True)
     w = BackgroundWriter(spool.SpoolWriter(tmp_path / "spool" / "rank-00000", 0), lambda *_: None)
     st.writer = w
@@ -319,20 +349,17 @@ def test_a_dump_taken_before_the_settle_is_written_from_the_slot(tmp_path: Path)
     w.event(_rank_start())
     ring.hold_snapshot(0, {"step": 0}, [], 8)
     data = [bytes(range(k, k + 200)) for k in range(3)]
-    for k, raw in enumerate(data):
-        blob, made = ring.hold_new(0, _fp(raw), len(raw), "zlib64", slots.stage(raw))
-        assert made is not None
-        held: Held = made
+    for raw in data:
+        blob = ring.hold(0, _fp(raw), len(raw), "zlib64", slots.stage(raw))
         w.event(_batch(0, blob, raw))
-        if k < 2:  # the third is settled only after the dump is taken, as a race would have it
-            w.call(partial(ring.settle, held))
+    slots.copies[0].done = True  # the others are still in flight when the dump is taken
     dumps.at_exit(w, "exit", RuntimeError("boom"))
-    w.call(partial(ring.settle, held))
     w.event(_step(0, 1.0))
     w.event({"type": schema.EV_END, "reason": "exit", "steps": 1, "colls": 0, "t_ns": 9, "counters": {}})
     assert w.flush(10)
     w.close()
-    assert slots.space.live() == 0  # every slot freed, the one the dump wrote from too
+    assert [c.waited for c in slots.copies] == [1, 1, 1]  # each waited for before its bytes were written
+    assert slots.landing.reap() == 3 and slots.space.live() == 0
     collect(tmp_path / "spool", tmp_path / "trace.zarr")
     rt = Trace.open(tmp_path / "trace.zarr").rank(0)
     assert [d["blobs"] for d in rt.attrs["flight_dumps"]] == [3]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_replay.agent.payload_ring import ALIGN, RingSpace
+from fsdp_replay.agent.payload_ring import ALIGN, Landing, RingSpace, pinned_bytes
 
 
 def _overlaps(live: dict[int, int]) -> list[tuple[int, int]]:
@@ -91,6 +91,46 @@ def test_takes_and_frees_from_two_threads_keep_the_books() -> None:
     assert refused > 0  # it did fill up while the other thread freed
 
 
+class Copy:
+    """A side-stream copy's event, as ``Landing`` queries it."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_slots_whose_copy_landed_elsewhere_are_freed_once_done_and_in_order() -> None:
+    space = RingSpace(8 * ALIGN)
+    landing = Landing(space)
+    copies = [Copy() for _ in range(3)]
+    for c in copies:
+        off = space.take(2 * ALIGN)
+        assert off is not None
+        landing.add(c, off)
+    assert landing.reap() == 0 and space.live() == 3  # nothing copied yet
+    copies[1].done = True
+    assert landing.reap() == 0  # the oldest copy runs first on the one side stream: wait for it
+    copies[0].done = True
+    assert landing.reap() == 2 and space.live() == 1 and len(landing) == 1
+    copies[2].done = True
+    assert landing.reap() == 1 and space.live() == 0 and space.used == 0
+
+
+def test_pinned_blocks_are_charged_at_the_power_of_two_the_host_allocator_takes() -> None:
+    assert [pinned_bytes(n) for n in (0, 1, 2, 3, 4096, 4097, 20 << 20, (20 << 20) + 1)] == [
+        0,
+        1,
+        2,
+        4,
+        4096,
+        8192,
+        32 << 20,
+        32 << 20,
+    ]
+
+
 # -- on a GPU ------------------------------------------------------------------------------------
 
 
@@ -98,8 +138,9 @@ def test_takes_and_frees_from_two_threads_keep_the_books() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sm_copy", [False, True], ids=["memcpy", "kernel"])
 @pytest.mark.parametrize("contiguous", [False, True], ids=["strided", "contiguous"])
+@pytest.mark.parametrize("own", [False, True], ids=["ring-host", "own-pinned"])
 def test_the_staged_bytes_are_those_at_the_collective_not_after_an_in_place_write(
-    sm_copy: bool, contiguous: bool
+    sm_copy: bool, contiguous: bool, own: bool
 ) -> None:
     import torch
 
@@ -112,17 +153,23 @@ def test_the_staged_bytes_are_those_at_the_collective_not_after_an_in_place_writ
         view = src if contiguous else src.t()  # strided: staged as the values in the view's order
         want = view.contiguous().cpu()
         nbytes = want.numel() * want.element_size()
-        staged = ring.stage(view, nbytes)
+        staged = ring.stage(view, nbytes, own)
         assert staged is not None
         slot, ready = staged
         src.zero_()  # the program writes in place right after, on the training stream
         ready.synchronize()
+        host = slot if own else slot.host  # with ``own``: a pinned tensor of its own
+        assert host.is_pinned()
         # bytes, not values: NaN is not equal to itself
-        assert torch.equal(
-            slot.host.view(torch.uint8).reshape(-1)[:nbytes], want.reshape(-1).view(torch.uint8)
-        ), dtype
-        slot.release()
+        assert torch.equal(host.view(torch.uint8).reshape(-1)[:nbytes], want.reshape(-1).view(torch.uint8)), (
+            dtype
+        )
+        if own:
+            assert ring.landing.reap() == 1  # its copy is done: the slot is free
+        else:
+            slot.release()
     assert ring.space.live() == 0
+    assert (ring._host is None) == own  # the ring's pinned half is made only when used
 
 
 @pytest.mark.gpu

@@ -331,8 +331,8 @@ def test_replay_from_a_late_snapshot_skips_the_model_on_the_gpu(tmp_path: Path) 
 def test_a_nan_on_the_gpu_dumps_the_window_through_the_payload_ring_and_it_replays_bit_exact(
     tmp_path: Path,
 ) -> None:
-    # #13's flight recorder with device payloads (collective outputs, the tape's results): held as
-    # their payload ring slot, settled by the writer into memory of its own, written at the NaN;
+    # #13's flight recorder with device payloads (collective outputs, the tape's results):
+    # copied through their GPU's payload ring into pinned memory of their own, written at the NaN;
     # two ranks on the one GPU over gloo, so that the collectives' outputs are CUDA tensors too
     out = tmp_path / "flight"
     args = ("--steps", "12", "--layers", "2", "--d-model", "128", "--seq-len", "64")
@@ -359,7 +359,7 @@ def test_a_nan_on_the_gpu_dumps_the_window_through_the_payload_ring_and_it_repla
     )
     assert dumps[0]["blobs"] > 0 and all(d["dropped"] == 0 for d in dumps), dumps
     counters = rt.attrs["end"]["counters"]
-    assert counters["flight_ring_settled"] > 0 and counters["flight_ring_full_drops"] == 0, counters
+    assert counters["flight_ring_landed"] > 0 and counters["flight_ring_full_drops"] == 0, counters
     outs = rt.tensors["role"] == schema.ROLE_OUTPUT
     steps = rt.collectives["step"][rt.tensors["coll"]]
     assert set(steps[outs & (rt.tensors["payload"] >= 0)].tolist()) >= set(range(4, 10))
