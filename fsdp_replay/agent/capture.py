@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import functools
 import gc
 import hashlib
 import io
@@ -253,13 +254,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _copy(x: Any) -> Any:
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t``'s local values, complete when it returns."""
+    return local(t).detach().to("cpu", copy=True)
+
+
+def _copy(x: Any, tensor: Callable[[torch.Tensor], torch.Tensor] = host_copy) -> Any:
     if isinstance(x, torch.Tensor):
-        return local(x).detach().to("cpu", copy=True)
+        return tensor(x)
     if isinstance(x, dict):
-        return {k: _copy(v) for k, v in x.items()}
+        return {k: _copy(v, tensor) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return type(x)(_copy(v) for v in x)
+        return type(x)(_copy(v, tensor) for v in x)
     return x
 
 
@@ -283,9 +289,15 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def snapshot_state(
-    optimizers: list[torch.optim.Optimizer], roots: list[torch.nn.Module], names: dict[int, str], step: int
+    optimizers: list[torch.optim.Optimizer],
+    roots: list[torch.nn.Module],
+    names: dict[int, str],
+    step: int,
+    tensor: Callable[[torch.Tensor], torch.Tensor] = host_copy,
 ) -> dict[str, Any]:
-    """CPU copies of this rank's state at a step boundary (training thread: copies only)."""
+    """CPU copies of this rank's state at a step boundary (training thread: copies only), each
+    tensor's made by ``tensor`` (a copy complete on return unless it says otherwise)."""
+    copy = functools.partial(_copy, tensor=tensor)
     opts = []
     for opt in optimizers:
         params = optimizer_params(opt)
@@ -293,20 +305,20 @@ def snapshot_state(
             {
                 "type": type(opt).__name__,
                 "param_names": [names.get(id(p), f"param{i}") for i, p in enumerate(params)],
-                "params": [_copy(p) for p in params],
-                "state": [_copy(opt.state.get(p, {})) for p in params],
+                "params": [copy(p) for p in params],
+                "state": [copy(opt.state.get(p, {})) for p in params],
                 "param_groups": [
-                    {k: _copy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
+                    {k: copy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
                 ],
                 "schedulers": [
-                    {"type": type(s).__name__, "state": _copy(s.state_dict())} for s in schedulers_of(opt)
+                    {"type": type(s).__name__, "state": copy(s.state_dict())} for s in schedulers_of(opt)
                 ],
             }
         )
     buffers = {}
     for i, root in enumerate(roots):
         for name, buf in root.named_buffers():
-            buffers[f"{i}.{name}"] = _copy(buf)
+            buffers[f"{i}.{name}"] = copy(buf)
     return {"format": 1, "step": step, "optimizers": opts, "buffers": buffers}
 
 

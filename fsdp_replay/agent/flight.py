@@ -144,6 +144,7 @@ class HeldSnapshot:
     state: Any
     metas: list[list[Any]]
     nbytes: int
+    ready: list[Any]  # events after which its device copies are complete (``snapshots.DeviceCopies``)
     written: bool = False
 
 
@@ -261,12 +262,14 @@ class FlightRecorder:
 
         return blob_id, fill
 
-    def hold_snapshot(self, step: int, state: Any, metas: list[list[Any]], nbytes: int) -> None:
+    def hold_snapshot(
+        self, step: int, state: Any, metas: list[list[Any]], nbytes: int, ready: list[Any] | None = None
+    ) -> None:
         with self._lock:
             old = self._snapshots.pop(step, None)
             if old is not None:
                 self.snapshot_bytes -= old.nbytes
-            self._snapshots[step] = HeldSnapshot(step, state, metas, nbytes)
+            self._snapshots[step] = HeldSnapshot(step, state, metas, nbytes, ready or [])
             self.snapshot_bytes += nbytes
 
     def advance(self, step: int) -> None:
@@ -302,8 +305,10 @@ class FlightRecorder:
                 first = snap_step = start
                 snap = self._snapshots[start]
                 if not snap.written:  # handed over; the ring keeps its step only
-                    write = HeldSnapshot(snap.step, snap.state, snap.metas, snap.nbytes, written=True)
-                    snap.state, snap.written = None, True
+                    write = HeldSnapshot(
+                        snap.step, snap.state, snap.metas, snap.nbytes, snap.ready, written=True
+                    )
+                    snap.state, snap.ready, snap.written = None, [], True
                     self.snapshot_bytes -= snap.nbytes
                     snap.nbytes = 0
             self._dumped = (first, self.current, snap_step)

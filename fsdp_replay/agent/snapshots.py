@@ -1,7 +1,13 @@
 """The rank's state at step boundaries as events record it: snapshots, RNG states, local modules.
 
 Each is copied on the training thread (cheaply: CPU copies, fingerprints) and encoded on the
-writer thread (``BackgroundWriter.call``), which is where the bytes are serialized.
+writer thread (``BackgroundWriter.call``), which is where the bytes are serialized. A snapshot's
+device tensors are copied into pinned memory on their device's current stream without the host
+waiting (``DeviceCopies``): the writer waits for the copies before it encodes them. Copying on the
+program's stream, not a side stream, is what keeps them right: the program may change the state
+in place right after the step boundary (weights clipped after ``optimizer.step()``), and its
+stream runs those writes after the copies. The pinned blocks come from torch's caching host
+allocator, so the next snapshot of the same shapes reuses them once this one is let go of.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ import torch
 from fsdp_replay.agent import capture
 from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
+from fsdp_replay.agent.fingerprint import fingerprint_many
 from fsdp_replay.agent.flight import FlightRecorder
-from fsdp_replay.agent.tensor_record import TensorRecorder
+from fsdp_replay.agent.tensor_record import TensorRecorder, dtype_name
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
 
@@ -31,8 +38,39 @@ def _tensor_bytes(x: Any) -> int:
     return 0
 
 
-def snapshot_items(step: int, state: Any, metas: list[list[Any]]) -> list[tuple[str, Any]]:
-    """A snapshot's blob and event for the writer (``BackgroundWriter.call``), on its thread."""
+class DeviceCopies:
+    """Copies of device tensors into pinned memory, made on each device's current stream and
+    not waited for (a CPU tensor's copy is complete at once); ``ready`` is what to wait for."""
+
+    def __init__(self) -> None:
+        self.devices: dict[torch.device, None] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = capture.local(t).detach()
+        if t.device.type != "cuda":
+            return t.to("cpu", copy=True)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        self.devices[t.device] = None
+        return host
+
+    def ready(self) -> list[Any]:
+        """An event behind the copies on each device's stream (none where all were on the CPU)."""
+        events = []
+        for device in self.devices:
+            event = torch.cuda.Event(blocking=True)
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return events
+
+
+def snapshot_items(
+    step: int, state: Any, metas: list[list[Any]], ready: list[Any] | None = None
+) -> list[tuple[str, Any]]:
+    """A snapshot's blob and event for the writer (``BackgroundWriter.call``), on its thread,
+    once its device copies (``ready``) are complete."""
+    for event in ready or ():
+        event.synchronize()
     data = capture.encode_snapshot(state)
     ref = BlobRef()
     return [
@@ -92,20 +130,26 @@ class StateRecorder:
         roots: list[torch.nn.Module],
         names: dict[int, str],
     ) -> None:
-        """The rank's state at this step boundary: CPU copies now, encoded on the writer thread
-        (with a payload window: held in memory, encoded if a failure dumps it)."""
+        """The rank's state at this step boundary: host copies now (a device's not waited for),
+        encoded on the writer thread (with a payload window: held in memory, encoded if a failure
+        dumps it). Each parameter's entry: name, dtype, shape and fingerprint (of the live
+        tensor, on its device: the copies are not complete yet)."""
         step = self.state.pos.step
-        state = capture.snapshot_state([opt], roots, names, step)
-        param_names = state["optimizers"][0]["param_names"]
+        copies = DeviceCopies()
+        state = capture.snapshot_state([opt], roots, names, step, copies)
+        ready = copies.ready()
+        live = [capture.local(p) for p in capture.optimizer_params(opt)]
         metas = [
-            [n, *self.tensors.record("", p, False)[1:6]]
-            for n, p in zip(param_names, state["optimizers"][0]["params"], strict=True)
+            [n, dtype_name(p.dtype), list(p.shape), fp, algo, nf]
+            for n, p, (fp, nf, algo) in zip(
+                state["optimizers"][0]["param_names"], live, fingerprint_many(live), strict=True
+            )
         ]
         self.state.snapshots += 1
         if self.flight is not None:
-            self.flight.hold_snapshot(step, state, metas, _tensor_bytes(state))
+            self.flight.hold_snapshot(step, state, metas, _tensor_bytes(state), ready)
             return
-        w.call(lambda: snapshot_items(step, state, metas))
+        w.call(lambda: snapshot_items(step, state, metas, ready))
 
     def write_modules(self, w: BackgroundWriter) -> None:
         """The local source files the program imported, hashed on the writer thread."""
