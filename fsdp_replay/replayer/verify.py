@@ -253,12 +253,13 @@ def missing_payload_hint(rec: RankRecord, step: int, restore_step: int, tape: bo
     what = "a taped kernel's result" if tape else "a collective"
     flag = "--tape-payloads" if tape else "--payloads"
     head = f"the trace holds no payload for {what} of step {step}"
+    if policy.startswith("window:") and not damaged:
+        return f"{head}: {window_hint(rec, step, policy)}"
     if wanted and dropped:
-        bound = "--window-bytes" if policy.startswith("window:") else "--max-pending-bytes"
         return (
             f"{head}: the recording kept payloads for {policy} but dropped {dropped} of them "
             f"({int(counters.get('blob_bytes_dropped', 0)) / 1e6:.1f} MB; the disk was full or the "
-            f"in-memory bound ({bound}) was reached). Replay steps whose payloads were kept, "
+            "in-memory bound (--max-pending-bytes) was reached). Replay steps whose payloads were kept, "
             "or record again with more free space, a higher bound or fewer payload steps"
         )
     if wanted and damaged:
@@ -269,6 +270,40 @@ def missing_payload_hint(rec: RankRecord, step: int, restore_step: int, tape: bo
         f"{head}: the recording kept payloads for {policy}; an isolated replay of steps "
         f"{restore_step}.. needs the payloads of those steps (record with {flag} all or "
         f"steps:{restore_step}-...)"
+    )
+
+
+def window_hint(rec: RankRecord, step: int, policy: str) -> str:
+    """Why a flight recorder's trace (``--payloads window:N``) has no payload for ``step``: it
+    wrote payloads only for the steps of its dumps (a failure's window), and which those are."""
+    dumps = rec.attrs.get("flight_dumps") or []
+    counters = (rec.attrs.get("end") or {}).get("counters") or {}
+    held_dropped = int(counters.get("flight_blobs_dropped", 0))
+    if not dumps:
+        return (
+            f"the recording held payloads in memory ({policy}) and wrote none: the run did not fail "
+            "while it was recorded. Only metadata is there to check; record with --payloads all or "
+            "steps:SPEC to replay healthy steps"
+        )
+    spans = ", ".join(f"{d['first_step']}..{d['last_step']} ({d['reason']})" for d in dumps)
+    inside = [d for d in dumps if int(d["first_step"]) <= step <= int(d["last_step"])]
+    if not inside:
+        first = min(int(d["first_step"]) for d in dumps)
+        return (
+            f"the recording held payloads in memory ({policy}) and wrote them only for the steps "
+            f"of its dumps: {spans}; step {step} is in none. Replay those steps "
+            f"(--from-step {first})"
+        )
+    dropped = sum(int(d.get("dropped", 0)) for d in inside)
+    if dropped or held_dropped:
+        return (
+            f"the flight recorder's dump of steps {spans} left out {dropped or held_dropped} payloads "
+            "it had dropped while holding them (its memory bound --window-bytes, or no room in the "
+            "GPU's payload ring --payload-ring-bytes: `fsdp-replay inspect` says which); record "
+            "again with a higher bound"
+        )
+    return (
+        f"step {step} is inside the flight recorder's dump of steps {spans}, yet this payload was not written"
     )
 
 
