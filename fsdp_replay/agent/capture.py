@@ -18,6 +18,7 @@ import platform
 import random
 import sys
 import threading
+import weakref
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -269,18 +270,63 @@ def _copy(x: Any, tensor: Callable[[torch.Tensor], torch.Tensor] = host_copy) ->
     return x
 
 
-def schedulers_of(optimizer: torch.optim.Optimizer) -> list[Any]:
-    """LR schedulers driving this optimizer (found through the garbage collector: snapshots only)."""
+def _scheduler_kinds() -> tuple[type, ...]:
     kinds: tuple[type, ...] = (torch.optim.lr_scheduler.LRScheduler,)
     plateau = getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None)
-    if plateau is not None:
+    if plateau is not None and not issubclass(plateau, kinds):
         kinds += (plateau,)
+    return kinds
+
+
+_SCHEDULERS: weakref.WeakSet[Any] = weakref.WeakSet()  # every scheduler made since tracking began
+_SCANNED: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers whose older schedulers were looked for
+_TRACKING = False
+
+
+def _track_schedulers() -> None:
+    """From now on every LR scheduler made is registered as it is made (through its class's
+    ``__new__``, which subclasses inherit, whether or not their ``__init__`` calls their base's)."""
+    global _TRACKING
+    if _TRACKING:
+        return
+    _TRACKING = True
+    for kind in _scheduler_kinds():
+        if "__new__" in vars(kind):  # a scheduler class of its own making: the heap scan covers it
+            continue
+
+        def new(cls: type, *args: Any, **kwargs: Any) -> Any:
+            obj: Any = object.__new__(cls)
+            _SCHEDULERS.add(obj)
+            return obj
+
+        kind.__new__ = new  # type: ignore[method-assign,assignment]
+
+
+def _scan_for_schedulers(optimizer: torch.optim.Optimizer, kinds: tuple[type, ...]) -> list[Any]:
+    """The schedulers referring to ``optimizer``, through the garbage collector (a walk of the
+    whole heap: tens of milliseconds in a large program)."""
     found = [r for r in gc.get_referrers(optimizer) if isinstance(r, kinds)]
     # get_referrers sees the instance __dict__, not always the instance: look one level up.
     for d in gc.get_referrers(optimizer):
         if isinstance(d, dict) and d.get("optimizer") is optimizer:
             found.extend(r for r in gc.get_referrers(d) if isinstance(r, kinds))
-    unique: dict[int, Any] = {id(s): s for s in found}
+    return found
+
+
+def schedulers_of(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """LR schedulers driving this optimizer (snapshots only). The first call for an optimizer
+    walks the heap for those made before tracking began; every scheduler made since is
+    registered as it is made, so later calls only filter the registry."""
+    kinds = _scheduler_kinds()
+    _track_schedulers()
+    found = [s for s in list(_SCHEDULERS) if getattr(s, "optimizer", None) is optimizer]
+    if optimizer not in _SCANNED:
+        _SCANNED.add(optimizer)
+        older = _scan_for_schedulers(optimizer, kinds)
+        for s in older:
+            _SCHEDULERS.add(s)
+        found += older
+    unique: dict[int, Any] = {id(s): s for s in found if isinstance(s, kinds)}
     return sorted(unique.values(), key=lambda s: type(s).__name__)
 
 
