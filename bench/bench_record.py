@@ -206,6 +206,9 @@ class RunResult:
     # the agent's own account of its cost (step events' cpu_ns), ms per step in the steady state
     agent_cpu_ms_per_step: float | None = None  # on the program's threads (our hooks)
     writer_cpu_ms_per_step: float | None = None  # the agent's writer thread
+    # the hooks' CPU by part over the whole run (end counters agent_cpu_<part>_ns / steps, mean
+    # over ranks; start-up and warm-up included): where agent_cpu_ms_per_step goes
+    agent_cpu_parts_ms: dict[str, float] = field(default_factory=dict)
     cpu_s: float = 0.0  # user + system CPU of all the command's processes (incl. start-up, collector)
     other_cpu_frac: float = 0.0  # CPU used by everything else on the machine during the run / (wall x CPUs)
     steal_frac: float = 0.0  # CPU stolen by the hypervisor during the run / (wall x CPUs)
@@ -285,6 +288,25 @@ def agent_cpu_ms_per_step(run_dir: Path, warmup: int) -> tuple[float, float] | N
     )
 
 
+CPU_PARTS = ("collectives", "tape", "payloads", "snapshots", "cxx")
+
+
+def agent_cpu_parts_ms(run_dir: Path, steps: int) -> dict[str, float]:
+    """The hooks' CPU time by part, ms a step over the whole run (the end counters), mean over
+    ranks; empty for agents that do not count them."""
+    from fsdp_replay.trace.reader import Trace
+
+    trace = Trace.open(str(run_dir / "trace.zarr"))
+    ends = [(trace.rank(r).attrs.get("end") or {}).get("counters") or {} for r in trace.ranks]
+    out = {}
+    for part in ("total", *CPU_PARTS):
+        key = "agent_cpu_ns" if part == "total" else f"agent_cpu_{part}_ns"
+        vals = [c[key] for c in ends if key in c]
+        if vals and len(vals) == len(ends):
+            out[part] = statistics.fmean(vals) / 1e6 / steps
+    return out if len(out) > 1 else {}
+
+
 def run_one(
     cfg: Config,
     rep: int,
@@ -351,6 +373,7 @@ def run_one(
             agent = agent_cpu_ms_per_step(run_dir, warmup)
             if agent is not None:
                 res.agent_cpu_ms_per_step, res.writer_cpu_ms_per_step = agent
+            res.agent_cpu_parts_ms = agent_cpu_parts_ms(run_dir, steps)
             problems += trace_problems
     if problems:
         tail = "\n".join(err[-40:])
@@ -423,6 +446,11 @@ def summarize(results: list[RunResult], names: list[str]) -> dict[str, Any]:
                 if vals:
                     s[key] = statistics.median(vals)
                     s[key.replace("_ms_per_step", "_fraction")] = s[key] / 1e3 / base_median
+            parts = [r.agent_cpu_parts_ms for r in runs if r.agent_cpu_parts_ms]
+            if parts:
+                s["agent_cpu_parts_ms"] = {
+                    k: statistics.median(p.get(k, 0.0) for p in parts) for k in parts[0]
+                }
             s["collector_s"] = statistics.median(r.collector_s or 0.0 for r in runs)
             s["collector_max_s"] = max(r.collector_s or 0.0 for r in runs)
         s["wall_s"] = statistics.median(r.wall_s for r in runs)
@@ -530,6 +558,21 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 f"{name} over {x['reference']} (its own cost, paired by repetition): "
                 f"{x['ratio_vs_reference_paired']:.3f} [{q1:.3f}, {q3:.3f}]",
             ]
+    parted = {n: x["agent_cpu_parts_ms"] for n, x in s.items() if x.get("agent_cpu_parts_ms")}
+    if parted:
+        lines += [
+            "",
+            "Agent CPU on the program's threads by part, ms a step over the whole run (end counters "
+            "`agent_cpu_<part>_ns` / steps, start-up and warm-up included; median over runs): the "
+            "collectives' and the tape's hooks each whole; payloads (keeping bytes: stored or held) "
+            "and snapshots inside any hook; cxx: the C++ kernel and tape hook.",
+            "",
+            "| config | total | " + " | ".join(CPU_PARTS) + " |",
+            "|---|---:|" + "---:|" * len(CPU_PARTS),
+        ]
+        for name, parts in parted.items():
+            cells = " | ".join(f"{parts.get(k, 0.0):.1f}" for k in CPU_PARTS)
+            lines.append(f"| {name} | {parts.get('total', 0.0):.1f} | {cells} |")
     lines += [
         "",
         "Bytes per step = size of the run's `trace.zarr` (and of its `spool/`, which `record` keeps) "

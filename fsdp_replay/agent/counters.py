@@ -25,10 +25,18 @@ class Position:
         self.seq, self.step, self.micro = seq, step, micro
 
 
+CPU_PARTS = ("collectives", "tape", "payloads", "snapshots")
+"""Where the hooks' CPU time goes (``AgentState.cpu_parts``, counters ``agent_cpu_<part>_ns``):
+the collectives' hot path and the tape's Python path (each its whole hook), and, inside any hook,
+keeping payloads' bytes (stored or held) and snapshots. The rest of ``agent_cpu_ns`` is the
+module, step and batch hooks' and the C++ parts' (``agent_cpu_cxx_ns``)."""
+
+
 class AgentState:
     __slots__ = (
         "batches",
         "cpu_ns",
+        "cpu_parts",
         "errors",
         "failed",
         "gpu",
@@ -50,6 +58,8 @@ class AgentState:
         self.errors = 0
         self.cpu_ns = 0  # thread CPU time spent in our hooks, on the program's threads
         self.program_ns = 0  # of which the program's own work they ran (not counted in cpu_ns)
+        # Parts of ``cpu_ns`` (ns): CPU_PARTS; "payloads" and "snapshots" are inside the others.
+        self.cpu_parts = dict.fromkeys(CPU_PARTS, 0)
         self.payload_now = payload_now  # the current step's payloads are stored
         self.writer: BackgroundWriter | None = None  # started with the rank's first record
         self.batches = 0
@@ -76,9 +86,12 @@ class AgentState:
             self.program_ns += time.thread_time_ns() - t0
 
 
-def counters(state: AgentState, writer: BackgroundWriter, agent_cpu_ns: int) -> dict[str, int]:
+def counters(
+    state: AgentState, writer: BackgroundWriter, agent_cpu_ns: int, cxx_cpu_ns: int = 0
+) -> dict[str, int]:
     """The agent's counters so far: the writer's (events, blobs, drops, write errors), the
-    agent's errors, batches and snapshots, and the CPU time recording has cost (ns)."""
+    agent's errors, batches and snapshots, and the CPU time recording has cost (ns): in all, by
+    part (``CPU_PARTS``), and of it the C++ kernel's and tape hook's (``cxx_cpu_ns``)."""
     out = writer.counters.as_dict()
     out.update(
         agent_errors=state.errors,
@@ -86,7 +99,9 @@ def counters(state: AgentState, writer: BackgroundWriter, agent_cpu_ns: int) -> 
         writer_cpu_ns=writer.cpu_ns(),
         batches=state.batches,
         snapshots=state.snapshots,
+        agent_cpu_cxx_ns=cxx_cpu_ns,
     )
+    out.update({f"agent_cpu_{part}_ns": ns for part, ns in state.cpu_parts.items()})
     if state.gpu_counters is not None:
         out.update(state.gpu_counters)
     return out

@@ -129,7 +129,9 @@ class CollectiveRecorder:
         finally:
             if gpu is not None:
                 gpu.agent(ours)
-            st.cpu_ns += time.thread_time_ns() - t0 - (st.program_ns - p0)
+            spent = time.thread_time_ns() - t0 - (st.program_ns - p0)
+            st.cpu_ns += spent
+            st.cpu_parts["collectives"] += spent
 
     def _run(self, call: CollectiveCall, real: Callable[[], Any]) -> Any:
         if self.deferred:

@@ -81,7 +81,9 @@ class TapeRecorder:
         finally:
             if gpu is not None:
                 gpu.agent(ours)
-            st.cpu_ns += time.thread_time_ns() - t0 - (st.program_ns - p0)
+            spent = time.thread_time_ns() - t0 - (st.program_ns - p0)
+            st.cpu_ns += spent
+            st.cpu_parts["tape"] += spent
         return result
 
     def _write(self, name: str, seq: int, step: int, micro: int, tensors: list[Any]) -> None:

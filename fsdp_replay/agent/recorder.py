@@ -370,7 +370,7 @@ class Recorder:
         return {"type": schema.EV_STUCK, **held}
 
     def _counters(self, w: BackgroundWriter, agent_cpu: int) -> dict[str, int]:
-        out = counters(self.state, w, agent_cpu)
+        out = counters(self.state, w, agent_cpu, agent_cpu - self.state.cpu_ns)
         if self.flight is not None:
             out.update(self.flight.ring.counters())
         if self.tape is not None:

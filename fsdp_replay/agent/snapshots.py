@@ -13,6 +13,7 @@ allocator, so the next snapshot of the same shapes reuses them once this one is 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -135,6 +136,7 @@ class StateRecorder:
         dumps it). Each parameter's entry: name, dtype, shape and fingerprint (of the live
         tensor, on its device: the copies are not complete yet)."""
         step = self.state.pos.step
+        t0 = time.thread_time_ns()
         copies = DeviceCopies()
         state = capture.snapshot_state([opt], roots, names, step, copies)
         ready = copies.ready()
@@ -148,8 +150,9 @@ class StateRecorder:
         self.state.snapshots += 1
         if self.flight is not None:
             self.flight.hold_snapshot(step, state, metas, _tensor_bytes(state), ready)
-            return
-        w.call(lambda: snapshot_items(step, state, metas, ready))
+        else:
+            w.call(lambda: snapshot_items(step, state, metas, ready))
+        self.state.cpu_parts["snapshots"] += time.thread_time_ns() - t0
 
     def write_modules(self, w: BackgroundWriter) -> None:
         """The local source files the program imported, hashed on the writer thread."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 import torch
@@ -138,6 +139,7 @@ class TensorRecorder:
         if not store and small:
             store = nbytes_of(t) <= self.small_limit(self.state.pos.step)
         if store:
+            t0 = time.thread_time_ns()
             nbytes = nbytes_of(t)
             if self.flight is not None:
                 blob = self._hold(w, t, fp, nbytes, algo)
@@ -151,4 +153,5 @@ class TensorRecorder:
                     blob = BlobRef()
                     copy, ready = staged or _copy(t)
                     w.blob(blob, copy, fp, nbytes, algo, ready)
+            self.state.cpu_parts["payloads"] += time.thread_time_ns() - t0
         return entry(role, t, fp, algo, nf, blob)

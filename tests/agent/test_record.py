@@ -127,6 +127,11 @@ def test_identical_payloads_are_stored_once(tmp_path: Path) -> None:
         digests[r] = [rt.payload_digest(int(p)) for p in t["payload"][outs]]
         end = rt.attrs["end"]["counters"]
         assert end["agent_cpu_ns"] > 0 and end["writer_cpu_ns"] > 0  # the agent measures its own cost
+        # ... and says where it went: every collective's hook, the payloads it stored inside them,
+        # the step-0 snapshot; the parts fit in the whole (payloads and snapshots inside hooks)
+        parts = {k: end[f"agent_cpu_{k}_ns"] for k in ("collectives", "tape", "payloads", "snapshots", "cxx")}
+        assert parts["collectives"] > 0 and parts["payloads"] > 0 and parts["snapshots"] > 0, parts
+        assert parts["collectives"] + parts["tape"] + parts["cxx"] <= end["agent_cpu_ns"], (parts, end)
         cost = recording_cost(rt)  # ... per step too, which inspect reports
         assert cost is not None and cost["agent_cpu_ms_per_step"] > 0 and cost["writer_cpu_ms_per_step"] >= 0
         # the install built the native fingerprint core, and the recording used it
