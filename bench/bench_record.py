@@ -288,7 +288,10 @@ def agent_cpu_ms_per_step(run_dir: Path, warmup: int) -> tuple[float, float] | N
     )
 
 
-CPU_PARTS = ("collectives", "tape", "payloads", "snapshots", "cxx")
+def cpu_parts() -> tuple[str, ...]:
+    from fsdp_replay.trace import schema
+
+    return tuple(schema.AGENT_CPU_PARTS)
 
 
 def agent_cpu_parts_ms(run_dir: Path, steps: int) -> dict[str, float]:
@@ -299,7 +302,7 @@ def agent_cpu_parts_ms(run_dir: Path, steps: int) -> dict[str, float]:
     trace = Trace.open(str(run_dir / "trace.zarr"))
     ends = [(trace.rank(r).attrs.get("end") or {}).get("counters") or {} for r in trace.ranks]
     out = {}
-    for part in ("total", *CPU_PARTS):
+    for part in ("total", *cpu_parts()):
         key = "agent_cpu_ns" if part == "total" else f"agent_cpu_{part}_ns"
         vals = [c[key] for c in ends if key in c]
         if vals and len(vals) == len(ends):
@@ -567,11 +570,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
             "collectives' and the tape's hooks each whole; payloads (keeping bytes: stored or held) "
             "and snapshots inside any hook; cxx: the C++ kernel and tape hook.",
             "",
-            "| config | total | " + " | ".join(CPU_PARTS) + " |",
-            "|---|---:|" + "---:|" * len(CPU_PARTS),
+            "| config | total | " + " | ".join(cpu_parts()) + " |",
+            "|---|---:|" + "---:|" * len(cpu_parts()),
         ]
         for name, parts in parted.items():
-            cells = " | ".join(f"{parts.get(k, 0.0):.1f}" for k in CPU_PARTS)
+            cells = " | ".join(f"{parts.get(k, 0.0):.1f}" for k in cpu_parts())
             lines.append(f"| {name} | {parts.get('total', 0.0):.1f} | {cells} |")
     lines += [
         "",

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_replay.agent.writer import BackgroundWriter
+from fsdp_replay.trace import schema
 
 
 class Position:
@@ -25,7 +26,7 @@ class Position:
         self.seq, self.step, self.micro = seq, step, micro
 
 
-CPU_PARTS = ("collectives", "tape", "payloads", "snapshots")
+CPU_PARTS = tuple(p for p in schema.AGENT_CPU_PARTS if p != "cxx")
 """Where the hooks' CPU time goes (``AgentState.cpu_parts``, counters ``agent_cpu_<part>_ns``):
 the collectives' hot path and the tape's Python path (each its whole hook), and, inside any hook,
 keeping payloads' bytes (stored or held) and snapshots. The rest of ``agent_cpu_ns`` is the

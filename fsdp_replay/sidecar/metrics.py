@@ -29,6 +29,7 @@ from fsdp_replay.sidecar.ncclstats import NcclStats
 from fsdp_replay.sidecar.processes import ProcessStats, Usage, own_usage
 from fsdp_replay.sidecar.ranks import DROP_REASONS, RankState
 from fsdp_replay.sidecar.ship import ShipStats
+from fsdp_replay.trace import schema
 
 PREFIX = "fsdp_replay_"
 NS_PER_S = 1e9
@@ -255,6 +256,13 @@ class SidecarCollector(Collector):
             )
             for part, label in (("hooks", "Agent-hooks"), ("writer", "Writer-thread"))
         }
+        by_part = CounterMetricFamily(
+            _name("agent", "hooks_part_cpu_seconds"),
+            "Agent-hooks CPU time so far by part (step/end counters agent_cpu_<part>_ns): "
+            "collectives and tape (their hooks, whole), payloads and snapshots (inside any hook), "
+            "cxx (the C++ kernel and tape hook); all attempts.",
+            labels=["rank", "part"],
+        )
         errors = CounterMetricFamily(
             _name("agent", "errors"),
             "Internal errors of the agent (it stops recording at the first).",
@@ -278,6 +286,8 @@ class SidecarCollector(Collector):
                 per_step["writer"].add_metric(lab, cost[1] / NS_PER_S)
             totals["hooks"].add_metric(lab, r.hooks_cpu_ns / NS_PER_S)
             totals["writer"].add_metric(lab, r.writer_cpu_ns / NS_PER_S)
+            for part in schema.AGENT_CPU_PARTS:
+                by_part.add_metric([*lab, part], r.cpu_part_ns(part) / NS_PER_S)
             if r.cost.wall_ns_sum > 0:
                 ratios["hooks"].add_metric(lab, r.cost.hooks_ns_sum / r.cost.wall_ns_sum)
                 ratios["writer"].add_metric(lab, r.cost.writer_ns_sum / r.cost.wall_ns_sum)
@@ -285,7 +295,15 @@ class SidecarCollector(Collector):
             for reason in DROP_REASONS:
                 dropped.add_metric([*lab, reason], r.end_counter(reason))
             dropped_bytes.add_metric(lab, r.end_counter("blob_bytes_dropped"))
-        yield from (*per_step.values(), *totals.values(), *ratios.values(), errors, dropped, dropped_bytes)
+        yield from (
+            *per_step.values(),
+            *totals.values(),
+            by_part,
+            *ratios.values(),
+            errors,
+            dropped,
+            dropped_bytes,
+        )
 
     # -- spool (what was captured) ------------------------------------------------------------
     def _spool(self) -> Iterable[Metric]:

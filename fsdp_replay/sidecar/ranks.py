@@ -144,6 +144,10 @@ class RankState:
         """[hooks, writer] CPU ns of the attempts before the current one (their last value)."""
         self.cpu_ns_now = [0, 0]
         """[hooks, writer] CPU ns of the current attempt, as last reported (step or end event)."""
+        self.cpu_parts_done: Counter[str] = Counter()
+        self.cpu_parts_now: dict[str, int] = {}
+        """The hooks' CPU ns by part (``schema.AGENT_CPU_PARTS``) of the current attempt, as last
+        reported (a step's or the end event's counters; agents before session 14 report none)."""
         self.end_counters_done: Counter[str] = Counter()
         self.end_counters_now: dict[str, int] = {}
         """The ``end`` event's counters of the current attempt (empty until it ends)."""
@@ -209,6 +213,7 @@ class RankState:
             self.cost.add(int(hooks), int(writer), int(ev["t_ns"]))
             if hooks >= 0 and writer >= 0:
                 self.cpu_ns_now = [int(hooks), int(writer)]
+            self._cpu_parts(ev.get("counters"))
             self._saw(int(ev["t_ns"]))
         elif kind == schema.EV_RANK_START:
             if self.attempts:
@@ -222,6 +227,7 @@ class RankState:
             hooks, writer = counters.get("agent_cpu_ns"), counters.get("writer_cpu_ns")
             if isinstance(hooks, int) and isinstance(writer, int):
                 self.cpu_ns_now = [max(hooks, self.cpu_ns_now[0]), max(writer, self.cpu_ns_now[1])]
+            self._cpu_parts(counters)
             self.ended = True
             self.stuck_seq = None
             self._saw(int(ev["t_ns"]))
@@ -237,6 +243,14 @@ class RankState:
         elif kind == schema.EV_AGENT_ERROR:
             self.agent_error_events += 1
 
+    def _cpu_parts(self, counters: Any) -> None:
+        if not isinstance(counters, dict):
+            return
+        for part in schema.AGENT_CPU_PARTS:
+            ns = counters.get(f"agent_cpu_{part}_ns")
+            if isinstance(ns, int) and ns >= self.cpu_parts_now.get(part, 0):
+                self.cpu_parts_now[part] = ns
+
     def _saw(self, t_ns: int) -> None:
         self.last_t_ns = t_ns if self.last_t_ns is None else max(self.last_t_ns, t_ns)
 
@@ -244,6 +258,8 @@ class RankState:
         """A new rank_start: fold the finished attempt's totals so that counters never go down."""
         self.cpu_ns_done = [a + b for a, b in zip(self.cpu_ns_done, self.cpu_ns_now, strict=True)]
         self.cpu_ns_now = [0, 0]
+        self.cpu_parts_done.update(self.cpu_parts_now)
+        self.cpu_parts_now = {}
         self.end_counters_done.update(self.end_counters_now)
         self.end_counters_now = {}
         self.ended = False
@@ -263,6 +279,10 @@ class RankState:
     def hooks_cpu_ns(self) -> int:
         """Agent-hooks CPU ns, all attempts."""
         return self.cpu_ns_done[0] + self.cpu_ns_now[0]
+
+    def cpu_part_ns(self, part: str) -> int:
+        """Agent-hooks CPU ns of one part (``schema.AGENT_CPU_PARTS``), all attempts."""
+        return self.cpu_parts_done.get(part, 0) + self.cpu_parts_now.get(part, 0)
 
     @property
     def writer_cpu_ns(self) -> int:

@@ -174,6 +174,10 @@ RECORD_KINDS: Final = frozenset({KIND_EVENT, KIND_BLOB})
 # such a blob before it is written (it is held in memory), and it is written only if the run fails
 # (a `flight_dump` event follows). One the spool never holds was not kept: no payload, no loss.
 FLIGHT_BLOB_BASE: Final = 1 << 48
+AGENT_CPU_PARTS: Final = ("collectives", "tape", "payloads", "snapshots", "cxx")
+"""The parts of the hooks' CPU time the step and end counters carry as ``agent_cpu_<part>_ns``
+(session 14 on): the collectives' hooks, the tape's Python path, keeping payloads' bytes and
+snapshots (inside the other hooks), the C++ kernel and tape hook. Parts of ``agent_cpu_ns``."""
 # A collective in flight this long is written down as `stuck` (so a hang killed by SIGKILL still
 # shows where each rank waited).
 STUCK_AFTER_NS: Final = 2_000_000_000

@@ -84,6 +84,9 @@ def write_synthetic_spools(root: Path) -> None:
         "agent_errors": 1,
         "agent_cpu_ns": 1200,
         "writer_cpu_ns": 95,
+        "agent_cpu_collectives_ns": 500,
+        "agent_cpu_payloads_ns": 120,
+        "agent_cpu_cxx_ns": 300,
     }
     w0.append(schema.KIND_EVENT, ev.end(7000, 5, 4, **counters))
     w0.close()
@@ -91,7 +94,9 @@ def write_synthetic_spools(root: Path) -> None:
     w1 = SpoolWriter(spool.rank_dir(root, 1), 1)
     w1.append(schema.KIND_EVENT, ev.rank_start(1, T1))
     w1.append(schema.KIND_EVENT, ev.step(0, 1000, (500, 60)))
-    w1.append(schema.KIND_EVENT, ev.step(1, 2000, (700, 80)))
+    step1 = ev.step(1, 2000, (700, 80))
+    step1["counters"] = {"agent_cpu_tape_ns": 400, "agent_cpu_snapshots_ns": 90}  # live, before any end
+    w1.append(schema.KIND_EVENT, step1)
     w1.append(schema.KIND_EVENT, ev.agent_error())
     w1.append(schema.KIND_EVENT, ev.coll(0, "allreduce_", 2100, 10))
     w1.append(schema.KIND_EVENT, {"type": "future_event"})
@@ -139,6 +144,12 @@ def test_collector_output_for_a_synthetic_spool(tmp_path: Path) -> None:
     assert value(s, "fsdp_replay_agent_writer_cpu_seconds_total", **r0) == 95 / 1e9
     assert value(s, "fsdp_replay_agent_hooks_cpu_seconds_total", **r1) == 700 / 1e9
     assert value(s, "fsdp_replay_agent_writer_cpu_seconds_total", **r1) == 80 / 1e9
+    # By part: rank 0's from its end counters, rank 1's from its last step's; a part not reported is 0.
+    part = "fsdp_replay_agent_hooks_part_cpu_seconds_total"
+    for p, ns in (("collectives", 500), ("payloads", 120), ("cxx", 300), ("tape", 0), ("snapshots", 0)):
+        assert value(s, part, rank="0", part=p) == ns / 1e9, p
+    for p, ns in (("tape", 400), ("snapshots", 90), ("collectives", 0)):
+        assert value(s, part, rank="1", part=p) == ns / 1e9, p
     # Share of step time: (1000 - 100) / (6000 - 1000), (90 - 10) / 5000; rank 1: 200/1000, 20/1000.
     assert value(s, "fsdp_replay_agent_hooks_cpu_step_ratio", **r0) == 900 / 5000
     assert value(s, "fsdp_replay_agent_writer_cpu_step_ratio", **r0) == 80 / 5000
