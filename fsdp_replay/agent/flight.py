@@ -193,21 +193,9 @@ class FlightRecorder:
         self.ring_full = 0  # of ``dropped``: the payload ring had no room
 
     # -- the program's side -------------------------------------------------------------------
-    def hold(
-        self,
-        step: int,
-        fp: Any,
-        nbytes: int,
-        algo: str,
-        copy: Callable[[], tuple[Any, Any] | None],
-        cost: int | None = None,
-    ) -> int:
-        """The blob id the events of ``step`` name for these bytes: one already held or written
-        with the same content (fingerprint, size, algorithm), else a new one holding ``copy()``
-        (data, ready event); ``NO_BLOB`` when the memory bound leaves no room, or ``copy`` found
-        none in the payload ring (it returned None): counted. ``cost``: the memory the copy takes
-        (``nbytes`` unless given), charged against the bound."""
-        return self.hold_new(step, fp, nbytes, algo, copy, cost)[0]
+    def hold(self, *args: Any, **kwargs: Any) -> int:
+        """``hold_new``'s blob id alone."""
+        return self.hold_new(*args, **kwargs)[0]
 
     def hold_new(
         self,
@@ -218,8 +206,12 @@ class FlightRecorder:
         copy: Callable[[], tuple[Any, Any] | None],
         cost: int | None = None,
     ) -> tuple[int, Held | None]:
-        """``hold``, and the ``Held`` it made (None where it named bytes held or written before,
-        or dropped)."""
+        """The blob id the events of ``step`` name for these bytes: one already held or written
+        with the same content (fingerprint, size, algorithm), else a new one holding ``copy()``
+        (data, ready event); ``NO_BLOB`` when the memory bound leaves no room, or ``copy`` found
+        none in the payload ring (it returned None): counted. ``cost``: the memory the copy takes
+        (``nbytes`` unless given), charged against the bound. With it the ``Held`` made (None
+        where it named bytes held or written before, or dropped)."""
         cost = nbytes if cost is None else cost
         key = (fp, nbytes, algo) if isinstance(fp, int) else None  # a device fingerprint is not known yet
         with self._lock:
