@@ -37,11 +37,13 @@ from fsdp_replay.agent.counters import AgentState, counters
 from fsdp_replay.agent.cxx.bridge import KernelBridge
 from fsdp_replay.agent.entropy import EntropyRecorder
 from fsdp_replay.agent.files import FileLedger
-from fsdp_replay.agent.fingerprint import fingerprint_many, host_values, native
+from fsdp_replay.agent.fingerprint import fingerprint_many, host_values
 from fsdp_replay.agent.flight import FlightRecorder, window_bound
 from fsdp_replay.agent.gpu_activity import GpuActivity
+from fsdp_replay.agent.liveness import Liveness
 from fsdp_replay.agent.op_tap import OpRecorder
 from fsdp_replay.agent.process_groups import ProcessGroups
+from fsdp_replay.agent.rank_start import rank_start_event
 from fsdp_replay.agent.record_collective import CollectiveRecorder
 from fsdp_replay.agent.record_flight import FlightDumps
 from fsdp_replay.agent.record_tape import TapeRecorder
@@ -115,7 +117,8 @@ class Recorder:
         )
         self.compiled.install()
         self.gpu_activity = GpuActivity(config, st)  # CUPTI's kernels and copies (agent/cupti)
-        self.state_dump = StateDump(config.out)  # answers RUN/spool/dump-request (writer thread)
+        # what the writer says while idle: dump answers, the collective waited in, alive marks
+        self.liveness = Liveness(st, self.collectives, self.bridge, StateDump(config.out), self.flight)
         self.ops: OpRecorder | None = None
         self.micro_ends: list[int] = []  # when this step's backward() calls returned (t_ns)
         self.memory: Any = None  # agent/allocations.py's MemoryRecorder, once CUDA is initialized
@@ -263,46 +266,20 @@ class Recorder:
                 rank,
                 reserve_bytes=self.config.reserve_bytes,
             )
-            writer = BackgroundWriter(spool, self.fail, self._on_idle)
-            info = capture.process_info(rank, world, int(os.environ.get("LOCAL_RANK", 0)))
+            writer = BackgroundWriter(spool, self.fail, self.liveness.on_idle)
             key = numerics.key()
             self.flag_watch = numerics.FlagWatch(key["flags"])
-            start = {
-                "type": schema.EV_RANK_START,
-                "format_version": schema.FORMAT_VERSION,
-                **info,
-                "policy": {
-                    "payloads": str(self.config.payloads),
-                    "payload_inputs": self.config.payload_inputs,
-                    "snapshot_every": self.config.snapshot_every,
-                    "sync_steps": self.config.sync_steps,
-                    "tape": self.tape is not None,
-                    **({"tape_error": self.tape_error} if self.tape_error else {}),
-                    "tape_ops": self.config.tape_ops,
-                    "op_fingerprints": str(self.config.op_fingerprints),
-                    "cupti": str(self.config.cupti),
-                    "tape_payloads": None
-                    if self.config.tape_payloads is None
-                    else str(self.config.tape_payloads),
-                    **(
-                        {"window_bytes": self.window_bound[0], "window_bytes_auto": self.window_bound[1]}
-                        if self.window_bound
-                        else {}
-                    ),
-                },
-                "start_ns": time.time_ns(),
-                "t0_wall_ns": time.time_ns() - st.t_ns(),
-                "numerics": key,
-                "fingerprint_algos": {
-                    "cpu": schema.FP_SK64 if native.available() else schema.FP_ZLIB64,
-                    "native_core": native.available(),
-                    "cxx_kernel": self.kernel is not None,
-                    "cxx_tape": self.tape_recorder.native is not None,
-                    "cpu_large": schema.FP_SK64,
-                    "cpu_large_min_bytes": schema.SK64_MIN_BYTES,
-                    "cuda": schema.FP_LIN64,
-                },
-            }
+            start = rank_start_event(
+                self.config,
+                capture.process_info(rank, world, int(os.environ.get("LOCAL_RANK", 0))),
+                key,
+                time.time_ns() - st.t_ns(),
+                tape=self.tape is not None,
+                tape_error=self.tape_error,
+                window_bound=self.window_bound,
+                cxx_kernel=self.kernel is not None,
+                cxx_tape=self.tape_recorder.native is not None,
+            )
 
             def with_script() -> list[tuple[str, Any]]:
                 return [("ev", {**start, "script": capture.script_info()})]
@@ -311,63 +288,6 @@ class Recorder:
             self.states.write_rng(writer, -1, self.initial_rng)
             st.writer = writer
             return writer
-
-    def _on_idle(self) -> list[dict[str, Any]]:
-        """Writer thread, about once a second while it has nothing to write: the answer to a new
-        dump request (``state_dump.py``; also once recording stopped after an internal error: the
-        stacks are still the process's), then the collective this rank has waited in for a while
-        (once), else an ``alive`` mark of how far the rank got."""
-        st = self.state
-        out = []
-        dump = self.state_dump.poll(self._position)
-        if dump is not None:
-            out.append(dump)
-        if st.failed:
-            return out  # recording stopped: an `alive` mark would claim a record that is not kept
-        if self.flight is not None and st.writer is not None:
-            self.flight.idle(st.writer, self._inflight())
-        stuck = self._stuck()
-        if stuck is not None:
-            return [*out, stuck]
-        return [*out, {"type": schema.EV_ALIVE, "seq": st.pos.seq, "step": st.pos.step, "t_ns": st.t_ns()}]
-
-    def _inflight(self) -> tuple[Any, ...] | None:
-        """The collective being waited in (seq, step, op, pg, t_ns): the C++ kernel's or ours."""
-        return self.bridge.inflight(self.state.pos.step) or self.collectives.inflight
-
-    @staticmethod
-    def _waited(inflight: tuple[Any, ...], now: int) -> dict[str, Any]:
-        """``inflight`` as events name it, with how long it has been waited in."""
-        return {
-            **dict(zip(("seq", "step", "op", "pg", "t_ns"), inflight, strict=True)),
-            "waited_ns": now - int(inflight[4]),
-        }
-
-    def _position(self) -> dict[str, Any]:
-        """Where the rank is, for a ``state`` event: position, recording, the collective in flight."""
-        st = self.state
-        now = st.t_ns()
-        inflight = self._inflight()
-        return {
-            "t_ns": now,
-            "step": st.pos.step,
-            "micro": st.pos.micro,
-            "seq": st.pos.seq,
-            "recording": st.recording and not st.failed,
-            "inflight": None if inflight is None else self._waited(inflight, now),
-        }
-
-    def _stuck(self) -> dict[str, Any] | None:
-        """The collective this rank has waited in for a while, once."""
-        colls = self.collectives
-        inflight = self._inflight()
-        if inflight is None or colls.stuck_reported:
-            return None
-        held = self._waited(inflight, self.state.t_ns())
-        if held["waited_ns"] < schema.STUCK_AFTER_NS:
-            return None
-        colls.stuck_reported = True
-        return {"type": schema.EV_STUCK, **held}
 
     def _counters(self, w: BackgroundWriter, agent_cpu: int) -> dict[str, int]:
         out = counters(self.state, w, agent_cpu, agent_cpu - self.state.cpu_ns)

@@ -4,7 +4,7 @@ A rank hung outside a collective (a deadlock, a data loader that never returns, 
 skipped a collective) writes nothing that says where it is. The sidecar at a hang, or
 ``fsdp-replay dump``, writes ``RUN/spool/dump-request`` (``trace/dump_request.py``); the writer
 thread, which runs its idle callback about once a second even while the program's main thread is
-blocked (``Recorder._on_idle``), calls ``StateDump.poll``: one ``os.stat`` of that file when
+blocked (``liveness.Liveness.on_idle``), calls ``StateDump.poll``: one ``os.stat`` of that file when
 nothing changed, and, on a request id this process has not answered, one ``state`` event with the
 position, the collective in flight and the Python stacks of the process's threads (the main thread
 first; the agent's own threads marked ``agent``). A thread that holds the GIL in C code (a kernel,
