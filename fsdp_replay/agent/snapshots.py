@@ -12,6 +12,7 @@ allocator, so the next snapshot of the same shapes reuses them once this one is 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -26,6 +27,8 @@ from fsdp_replay.agent.flight import FlightRecorder
 from fsdp_replay.agent.tensor_record import TensorRecorder, dtype_name
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
+
+log = logging.getLogger(__name__)
 
 
 def _tensor_bytes(x: Any) -> int:
@@ -45,12 +48,21 @@ class DeviceCopies:
 
     def __init__(self) -> None:
         self.devices: dict[torch.device, None] = {}
+        self.pageable = 0  # copies made into pageable memory, waited for: no pinned memory left
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         t = capture.local(t).detach()
         if t.device.type != "cuda":
             return t.to("cpu", copy=True)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        try:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except RuntimeError as e:  # the host cannot pin more: the waited-for copy, as before pinning
+            if not self.pageable:
+                log.warning(
+                    "fsdp-replay: no pinned memory for a snapshot (%s); copying it with the host waiting", e
+                )
+            self.pageable += 1
+            return t.to("cpu", copy=True)
         host.copy_(t, non_blocking=True)
         self.devices[t.device] = None
         return host
