@@ -163,6 +163,11 @@ class Dump:
     dropped: int  # payloads of those steps dropped at the memory bound
 
 
+class NoMemory(Exception):
+    """Raised by a ``hold`` copy that found no memory (the host could not pin more): the payload
+    is dropped and counted as at the memory bound."""
+
+
 class FlightRecorder:
     """The ring. ``hold``, ``hold_snapshot`` and ``advance`` run on the program's threads, ``take``
     on the writer thread (or the training thread, for a failure seen there); one lock."""
@@ -223,7 +228,10 @@ class FlightRecorder:
                 return found, None
             if self.held_bytes + cost > self.max_bytes and not self._shrink(cost):
                 return self._drop(step, nbytes), None
-            made = copy()
+            try:
+                made = copy()
+            except NoMemory:
+                return self._drop(step, nbytes), None
             if made is None:  # a device payload its GPU's payload ring has no room for now
                 return self._drop(step, nbytes, ring_full=True), None
             data, ready = made

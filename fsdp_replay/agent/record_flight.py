@@ -62,7 +62,7 @@ class FlightDumps:
         """After the step event of ``step`` (training thread): drops, then the non-finite check."""
         count, nbytes, ring_full = self.ring.take_drops()
         if count:
-            reason = "the flight recorder's memory bound (--window-bytes)"
+            reason = "the flight recorder's memory bound (--window-bytes) or no host memory left"
             if ring_full:
                 reason = (
                     f"{ring_full} of them: no room in the GPU's payload ring (--payload-ring-bytes), "

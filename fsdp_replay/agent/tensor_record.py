@@ -11,7 +11,7 @@ from fsdp_replay.agent import capture
 from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.fingerprint import fingerprint, nbytes_of
-from fsdp_replay.agent.flight import FlightRecorder
+from fsdp_replay.agent.flight import FlightRecorder, NoMemory
 from fsdp_replay.agent.payload_ring import PayloadRings, pinned_bytes
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
@@ -102,7 +102,10 @@ class TensorRecorder:
                 how.append("ring full")
                 return None
             if made is None:
-                return _copy(t)
+                try:
+                    return _copy(t)
+                except RuntimeError as e:  # pinned memory: none left on the host
+                    raise NoMemory(str(e)) from e
             how.append("landed")
             return made
 

@@ -21,6 +21,7 @@ from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.flight import (
     FlightRecorder,
+    NoMemory,
     auto_window_bytes,
     cgroup_available,
     local_ranks,
@@ -473,7 +474,10 @@ def test_drops_of_a_window_run_name_its_bound(capsys: pytest.CaptureFixture[str]
     w = Events()
     FlightDumps(ring, AgentState(payload_now=True)).step_end(w, 0, [1.0], [])  # type: ignore[arg-type]
     (drop,) = w.events
-    assert drop["count"] == 1 and drop["reason"] == "the flight recorder's memory bound (--window-bytes)"
+    assert (
+        drop["count"] == 1
+        and drop["reason"] == "the flight recorder's memory bound (--window-bytes) or no host memory left"
+    )
     policy = {"payloads": "window:4", "window_bytes": 3 << 30, "window_bytes_auto": True}
     counters = {"blobs_dropped": 5, "blob_bytes_dropped": 500, "flight_blobs_dropped": 5, "flight_dumps": 1}
     dump = {"reason": "nonfinite", "detail": "a non-finite loss at the end of step 6", "t_ns": 1}
@@ -519,3 +523,15 @@ def test_drops_of_a_window_run_name_its_bound(capsys: pytest.CaptureFixture[str]
     )
     assert "rank 3: 5 payloads dropped while recording (3: no room in the GPU's payload ring" in err
     assert "the rest: disk full or the flight recorder's memory bound: --window-bytes)" in err
+
+
+def test_a_copy_that_finds_no_memory_is_dropped_and_counted_not_raised() -> None:
+    ring = FlightRecorder(2, 1 << 20)
+    ring.hold_snapshot(0, {"step": 0}, [], 8)
+
+    def no_memory() -> tuple[Any, Any] | None:
+        raise NoMemory("CUDA error: out of memory (cudaHostAlloc)")
+
+    assert ring.hold(0, object(), 1000, "lin64", no_memory) == schema.NO_BLOB
+    assert ring.take_drops() == (1, 1000, 0)
+    assert ring.counters()["flight_blobs_dropped"] == 1 and ring.counters()["flight_held_bytes"] == 0
