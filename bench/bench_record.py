@@ -13,8 +13,10 @@ hits all of them alike):
 Step time is measured from inside the training run, without changing the script: rank 0 prints
 one line per optimizer step (``step N loss X lr Y``), flushed (``PYTHONUNBUFFERED=1``); this
 script reads that output as it arrives and takes the wall time between consecutive step lines.
-Process start-up, the first ``--warmup-steps`` steps, the process teardown and the collector
-(spool -> Zarr, after the run) are therefore excluded. Each run's statistic is its median step
+Process start-up, the first ``--warmup-steps`` steps (more for a configuration with a longer
+warm-up of its own: the flight recorder's ``window4`` fills its window, and pins its memory on a
+GPU, in its first 10 steps), the process teardown and the collector (spool -> Zarr, after the
+run) are therefore excluded. Each run's statistic is its median step
 time (robust to one-off stalls); the mean over the same steps is reported too, because the
 periodic costs (a snapshot every 10 steps, the DataLoader re-forking its workers every epoch)
 are in the mean but mostly not in the median.
@@ -82,6 +84,7 @@ class Config:
     wrapper: str = ""  # a script the example runs under (REPO-relative), e.g. a profiler's
     reference: str = "baseline"  # what it is also compared with, run for run (its own cost)
     env: tuple[str, ...] = ()  # NAME=VALUE settings of the recorded run
+    warmup: int = 0  # steps of its own warm-up, skipped whatever --warmup-steps says
 
     @property
     def recorded(self) -> bool:
@@ -99,6 +102,11 @@ class Config:
             return int(args[args.index("--snapshot-every") + 1])
         return 0
 
+
+WINDOW_WARMUP = 4 + 4 + 2
+"""A window:4 run's warm-up: N + interval + 2 steps (the window, the snapshot interval, the GPU's
+late non-finite check) fill the window before the first payloads are let go of; on a GPU those
+steps also pin its memory (docs/configuration.md), at about 0.4 s a GB on the H200."""
 
 CONFIGS: tuple[Config, ...] = (
     Config("baseline", None, "unrecorded"),
@@ -129,6 +137,7 @@ CONFIGS: tuple[Config, ...] = (
         "the flight recorder: every step's payloads held in memory (the last 4 steps and a snapshot), "
         "none written by a run that ends well (the Python kernels: the C++ kernel keeps no payloads)",
         reference="meta-python",  # its own cost: over metadata-only with the same kernels
+        warmup=WINDOW_WARMUP,
     ),
     Config(
         "window4-ring2g",
@@ -137,6 +146,7 @@ CONFIGS: tuple[Config, ...] = (
         "reference step's payloads in flight (about 1 GB a step) overflow the default 256 MiB ring",
         reference="meta-python",
         env=("FSDP_REPLAY_PAYLOAD_RING_BYTES=2147483648",),
+        warmup=WINDOW_WARMUP,
     ),
     Config(
         "meta-notape",
@@ -310,6 +320,22 @@ def agent_cpu_parts_ms(run_dir: Path, steps: int) -> dict[str, float]:
     return out if len(out) > 1 else {}
 
 
+def own_warmup(cfg: Config, warmup: int, steps: int) -> int:
+    """The steps a run of ``cfg`` leaves out: ``--warmup-steps``, or its own warm-up where that is
+    longer and the run has at least two steps past it."""
+    return cfg.warmup if warmup < cfg.warmup <= steps - 2 else warmup
+
+
+def own_warmups(summary: dict[str, Any], p: dict[str, Any]) -> str:
+    """The configurations of a run that skipped their own, longer warm-up, as the report says it."""
+    own = [
+        f"; {c.name}: the first {n} (its own warm-up)"
+        for c in CONFIGS
+        if c.name in summary and (n := own_warmup(c, p["warmup_steps"], p["steps"])) != p["warmup_steps"]
+    ]
+    return "".join(own)
+
+
 def run_one(
     cfg: Config,
     rep: int,
@@ -321,6 +347,7 @@ def run_one(
     timeout_s: float,
     echo: bool,
 ) -> tuple[RunResult, Path]:
+    warmup = own_warmup(cfg, warmup, steps)
     run_dir = work / f"{cfg.name}-rep{rep}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -521,8 +548,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"- Workload: `torchrun --standalone --nproc_per_node {NPROC} examples/train_fsdp.py "
         f"{' '.join(p['train_args'])}` ({NPROC} ranks, OMP_NUM_THREADS=1); model: the example's defaults "
         f"({p['workload_model']})",
-        f"- {p['steps']} steps per run, the first {p['warmup_steps']} skipped; {p['reps']} repetitions, "
-        f"configurations interleaved round-robin, order rotated every repetition"
+        f"- {p['steps']} steps per run, the first {p['warmup_steps']} skipped{own_warmups(s, p)}; "
+        f"{p['reps']} repetitions, configurations interleaved round-robin, order rotated every repetition"
         + (" (QUICK smoke run: too few steps and repetitions to be trustworthy)" if p["quick"] else ""),
         "",
         f"**Target**: {v['target']} -> **{v['result']}** "
