@@ -19,8 +19,8 @@ order they were taken. A payload the flight recorder holds (``--payloads window:
 in pinned memory of its own (``stage(..., own=True)``, through torch's caching host allocator, so
 the blocks of evicted payloads are reused for the next steps' payloads of the same size class):
 its device slot is freed by the training thread as soon as that copy is done (``reap``: an event
-query at the next stage), and nothing is copied on the host at all. When there is no room (the writer is behind, or a payload is larger than
-the ring) the payload is dropped and counted (``ring_full_drops``), its metadata and fingerprint
+query at the next stage), and nothing is copied on the host at all. When there is no room (the
+writer is behind, or a payload is larger than the ring) the payload is dropped and counted (``ring_full_drops``), its metadata and fingerprint
 kept: the training thread never waits for room. The device buffer is allocated when the first
 device payload of a device is stored (through the caching allocator, so it shows in the
 program's memory statistics), the pinned host buffer at the first payload that goes through it;

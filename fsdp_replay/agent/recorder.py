@@ -90,7 +90,7 @@ class Recorder:
         fault_at = self.fault.n - 1 if self.fault is not None and self.fault.where == "kernel" else -1
         self.bridge = KernelBridge(config, st, self.pgs, self._ensure_started, self.fail, fault_at)
         self.batch_recorder = BatchRecorder(st, self.tensors, self._ensure_started)
-        self.states = StateRecorder(config, st, self.tensors, ring)
+        self.states = StateRecorder(config, st, ring)
         self.tape_recorder = TapeRecorder(config, st, self.tensors, self._ensure_started, self.fail)
         self.tape: OpTape | None = None
         self.tape_error = ""

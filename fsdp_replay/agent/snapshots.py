@@ -24,7 +24,7 @@ from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.fingerprint import fingerprint_many
 from fsdp_replay.agent.flight import FlightRecorder
-from fsdp_replay.agent.tensor_record import TensorRecorder, dtype_name
+from fsdp_replay.agent.tensor_record import dtype_name
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
 
@@ -53,7 +53,7 @@ class DeviceCopies:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         t = capture.local(t).detach()
         if t.device.type != "cuda":
-            return t.to("cpu", copy=True)
+            return capture.host_copy(t)
         try:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         except RuntimeError as e:  # the host cannot pin more: the waited-for copy, as before pinning
@@ -62,7 +62,7 @@ class DeviceCopies:
                     "fsdp-replay: no pinned memory for a snapshot (%s); copying it with the host waiting", e
                 )
             self.pageable += 1
-            return t.to("cpu", copy=True)
+            return capture.host_copy(t)
         host.copy_(t, non_blocking=True)
         self.devices[t.device] = None
         return host
@@ -97,12 +97,10 @@ class StateRecorder:
         self,
         config: RecordConfig,
         state: AgentState,
-        tensors: TensorRecorder,
         flight: FlightRecorder | None = None,
     ) -> None:
         self.config = config
         self.state = state
-        self.tensors = tensors
         self.flight = flight  # with a payload window, snapshots and their RNG states are held there
 
     def write_rng(self, w: BackgroundWriter, step: int, state: dict[str, Any]) -> None:

@@ -110,10 +110,10 @@ class TensorRecorder:
             return made
 
         cost = pinned_bytes(nbytes) if t.device.type == "cuda" else nbytes
-        blob, held = self.flight.hold_new(self.state.pos.step, fp, nbytes, algo, copy, cost)
+        blob = self.flight.hold(self.state.pos.step, fp, nbytes, algo, copy, cost)
         if blob == schema.NO_BLOB:
             w.count_dropped(nbytes, ring_full=how == ["ring full"])
-        elif held is not None and how == ["landed"]:
+        elif how == ["landed"]:  # a new payload (``copy`` runs only for one)
             self.flight.landed += 1
         return blob
 
