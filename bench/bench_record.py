@@ -216,8 +216,8 @@ class RunResult:
     # the agent's own account of its cost (step events' cpu_ns), ms per step in the steady state
     agent_cpu_ms_per_step: float | None = None  # on the program's threads (our hooks)
     writer_cpu_ms_per_step: float | None = None  # the agent's writer thread
-    # the hooks' CPU by part over the whole run (end counters agent_cpu_<part>_ns / steps, mean
-    # over ranks; start-up and warm-up included): where agent_cpu_ms_per_step goes
+    # the hooks' CPU by part past the warm-up (median increments of the step events' counters
+    # agent_cpu_<part>_ns, mean over ranks): where agent_cpu_ms_per_step goes
     agent_cpu_parts_ms: dict[str, float] = field(default_factory=dict)
     cpu_s: float = 0.0  # user + system CPU of all the command's processes (incl. start-up, collector)
     other_cpu_frac: float = 0.0  # CPU used by everything else on the machine during the run / (wall x CPUs)
@@ -282,9 +282,10 @@ def check_trace(run_dir: Path, cfg: Config, steps: int) -> tuple[dict[str, Any],
     return shared_check_trace(run_dir, NPROC, steps, policy, cfg.snapshot_every)
 
 
-def agent_cpu_ms_per_step(run_dir: Path, warmup: int) -> tuple[float, float] | None:
+def agent_cpu_ms_per_step(run_dir: Path, warmup: int) -> tuple[float, float, dict[str, float]] | None:
     """The agent's own account of its CPU cost in the steady state: (hooks, writer thread) ms per
-    step, the trace's ``recording_cost`` per rank after the warm-up steps, mean over ranks."""
+    step and the hooks' by part (empty for agents that do not count them), the trace's
+    ``recording_cost`` per rank after the warm-up steps, mean over ranks."""
     from fsdp_replay.analysis.summary import recording_cost
     from fsdp_replay.trace.reader import Trace
 
@@ -292,9 +293,16 @@ def agent_cpu_ms_per_step(run_dir: Path, warmup: int) -> tuple[float, float] | N
     costs = [recording_cost(trace.rank(rank), warmup) for rank in trace.ranks]
     if not costs or any(c is None for c in costs):
         return None
+    parts = [c.get("agent_cpu_parts_ms") or {} for c in costs if c]
     return (
         statistics.fmean(c["agent_cpu_ms_per_step"] for c in costs if c),
         statistics.fmean(c["writer_cpu_ms_per_step"] for c in costs if c),
+        {
+            "total": statistics.fmean(c["agent_cpu_ms_per_step"] for c in costs if c),
+            **{k: statistics.fmean(p[k] for p in parts) for k in parts[0] if all(k in p for p in parts)},
+        }
+        if parts and parts[0]
+        else {},
     )
 
 
@@ -302,22 +310,6 @@ def cpu_parts() -> tuple[str, ...]:
     from fsdp_replay.trace import schema
 
     return tuple(schema.AGENT_CPU_PARTS)
-
-
-def agent_cpu_parts_ms(run_dir: Path, steps: int) -> dict[str, float]:
-    """The hooks' CPU time by part, ms a step over the whole run (the end counters), mean over
-    ranks; empty for agents that do not count them."""
-    from fsdp_replay.trace.reader import Trace
-
-    trace = Trace.open(str(run_dir / "trace.zarr"))
-    ends = [(trace.rank(r).attrs.get("end") or {}).get("counters") or {} for r in trace.ranks]
-    out = {}
-    for part in ("total", *cpu_parts()):
-        key = "agent_cpu_ns" if part == "total" else f"agent_cpu_{part}_ns"
-        vals = [c[key] for c in ends if key in c]
-        if vals and len(vals) == len(ends):
-            out[part] = statistics.fmean(vals) / 1e6 / steps
-    return out if len(out) > 1 else {}
 
 
 def own_warmup(cfg: Config, warmup: int, steps: int) -> int:
@@ -402,8 +394,7 @@ def run_one(
             problems += cupti_problems(trace_summary, cfg, steps)
             agent = agent_cpu_ms_per_step(run_dir, warmup)
             if agent is not None:
-                res.agent_cpu_ms_per_step, res.writer_cpu_ms_per_step = agent
-            res.agent_cpu_parts_ms = agent_cpu_parts_ms(run_dir, steps)
+                res.agent_cpu_ms_per_step, res.writer_cpu_ms_per_step, res.agent_cpu_parts_ms = agent
             problems += trace_problems
     if problems:
         tail = "\n".join(err[-40:])
@@ -592,8 +583,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if parted:
         lines += [
             "",
-            "Agent CPU on the program's threads by part, ms a step over the whole run (end counters "
-            "`agent_cpu_<part>_ns` / steps, start-up and warm-up included; median over runs): the "
+            "Agent CPU on the program's threads by part, ms a step past the warm-up (the trace's "
+            "`recording_cost`: per rank the median increment of `steps.cpu_<part>_ns`, so snapshot "
+            "steps are left out, mean over ranks; median over runs): the "
             "collectives' and the tape's hooks each whole; payloads (keeping bytes: stored or held) "
             "and snapshots inside any hook; cxx: the C++ kernel and tape hook.",
             "",
@@ -605,7 +597,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {name} | {parts.get('total', 0.0):.1f} | {cells} |")
     lines += [
         "",
-        "Bytes per step = size of the run's `trace.zarr` (and of its `spool/`, which `record` keeps) "
+        "Bytes per step = size of the run's `trace.zarr` (and of its `spool/`, which `record` "
+        "removes once the trace holds every record: 0 unless kept) "
         f"divided by the {p['steps']} steps; it includes the fixed part (step-0 collectives, the step-0 "
         "snapshot, metadata), so it overstates the marginal cost of short runs. Collector = "
         "`record`'s own `trace written to ... in X s` (after training; not in the step time). "

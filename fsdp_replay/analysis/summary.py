@@ -153,10 +153,12 @@ def tape_summary(r: RankTrace) -> dict[str, Any]:
     }
 
 
-def recording_cost(r: RankTrace, skip_steps: int = 0) -> dict[str, float] | None:
+def recording_cost(r: RankTrace, skip_steps: int = 0) -> dict[str, Any] | None:
     """What recording cost this rank per step, from the cumulative ``steps.agent_cpu_ns`` and
     ``writer_cpu_ns``: the median increment after step ``skip_steps`` (step 0 carries start-up
-    and the step-0 snapshot), in ms. None for traces without those columns or with too few steps."""
+    and the step-0 snapshot), in ms; with ``agent_cpu_parts_ms`` the same statistic of each part of
+    the hooks' time (``steps.cpu_<part>_ns``, where the trace has them). None for traces without
+    those columns or with too few steps."""
     st = r.steps
     if len(st) - skip_steps < max(2, 3 - skip_steps):
         return None
@@ -166,10 +168,19 @@ def recording_cost(r: RankTrace, skip_steps: int = 0) -> dict[str, float] | None
         return None
     if hooks.min() < 0 or writer.min() < 0:
         return None
-    return {
+    out: dict[str, Any] = {
         "agent_cpu_ms_per_step": float(np.median(np.diff(hooks))) / 1e6,
         "writer_cpu_ms_per_step": float(np.median(np.diff(writer))) / 1e6,
     }
+    parts = {}
+    for part in schema.AGENT_CPU_PARTS:
+        if st.has(f"cpu_{part}_ns"):
+            ns = st[f"cpu_{part}_ns"][skip_steps:]
+            if ns.min() >= 0:  # -1: an agent that did not count it
+                parts[part] = float(np.median(np.diff(ns))) / 1e6
+    if parts:
+        out["agent_cpu_parts_ms"] = parts
+    return out
 
 
 def summarize(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any]:

@@ -125,6 +125,11 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
                 f"{cost['agent_cpu_ms_per_step']:.2f} ms CPU in the agent's hooks, "
                 f"{cost['writer_cpu_ms_per_step']:.2f} ms in its writer thread{how}"
             )
+            if parts := cost.get("agent_cpu_parts_ms"):
+                con.print(
+                    "  the hooks' by part (ms a step; payloads and snapshots inside the others): "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+                )
         if r.get("cupti"):
             from fsdp_replay.analysis.kernels import cupti_lines
 

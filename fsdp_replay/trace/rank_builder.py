@@ -21,6 +21,7 @@ import zarr
 from fsdp_replay.errors import TraceFormatError
 from fsdp_replay.trace import completeness, dtypes, schema, spool
 from fsdp_replay.trace.schema import (
+    AGENT_CPU_PARTS,
     ALLOC_ACTIONS,
     MODULE_KIND_CODES,
     ROLE_CODES,
@@ -435,6 +436,9 @@ class RankBuilder:
             "agent_cpu_ns": int(ev.get("cpu_ns", (-1, -1))[0]),
             "writer_cpu_ns": int(ev.get("cpu_ns", (-1, -1))[1]),
         }
+        counters = ev.get("counters") or {}
+        for part in AGENT_CPU_PARTS:
+            values[f"cpu_{part}_ns"] = int(counters.get(f"agent_cpu_{part}_ns", -1))
         for k, v in values.items():
             s[k].append(v)
         ends = self.cols["micro_steps"]

@@ -328,6 +328,8 @@ TABLES: dict[str, dict[str, str]] = {
         "nonfinite": "bool",
         "agent_cpu_ns": "int64",
         "writer_cpu_ns": "int64",
+        # the parts of agent_cpu_ns (AGENT_CPU_PARTS), cumulative; absent from older traces
+        **{f"cpu_{part}_ns": "int64" for part in AGENT_CPU_PARTS},
     },
     "step_params": {"fp": "uint64", "nonfinite": "bool", "algo": "int16"},
     "losses": {"value": "float64"},

@@ -134,6 +134,13 @@ def test_identical_payloads_are_stored_once(tmp_path: Path) -> None:
         assert parts["collectives"] + parts["tape"] + parts["cxx"] <= end["agent_cpu_ns"], (parts, end)
         cost = recording_cost(rt)  # ... per step too, which inspect reports
         assert cost is not None and cost["agent_cpu_ms_per_step"] > 0 and cost["writer_cpu_ms_per_step"] >= 0
+        # ... by part: the steps' cumulative columns never go back and stay within the whole, and
+        # the statistic is reported for every part
+        for k in parts:
+            col = rt.steps[f"cpu_{k}_ns"]
+            assert (col >= 0).all() and (np.diff(col) >= 0).all() and col[-1] <= end[f"agent_cpu_{k}_ns"], k
+        assert (rt.steps["cpu_collectives_ns"] <= rt.steps["agent_cpu_ns"]).all()
+        assert set(cost["agent_cpu_parts_ms"]) == set(parts) and cost["agent_cpu_parts_ms"]["collectives"] > 0
         # the install built the native fingerprint core, and the recording used it
         assert rank_summary(rt)["environment"]["fingerprint_algos"]["native_core"] is True
         # FSDP2 re-gathers the same parameters in backward: the agent writes those bytes once.
