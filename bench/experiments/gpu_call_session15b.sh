@@ -14,7 +14,7 @@ for run in "window4:--payloads window:4" "meta:--payloads none --no-cxx-kernel";
   timeout 240 python3 -m fsdp_replay record --out /tmp/run-$tag $mode -- \
     python3 -m torch.distributed.run --standalone --nproc_per_node 1 examples/train_fsdp.py $ARGS > "$LOG" 2>&1 &
   for _ in $(seq 1 180); do grep -q "^step 14 " "$LOG" && break; sleep 1; done
-  runner=$(pgrep -f "torch.distributed.run --standalone" | head -1)
+  runner=$(pgrep -f "^[^ ]*python[0-9.]* -m torch.distributed.run" | head -1)
   pid=$(pgrep -P "$runner" -f examples/train_fsdp.py | head -1)
   echo "$mode: torchrun $runner, rank $pid: $(tr '\0' ' ' < /proc/$pid/cmdline)" >> "$R/pyspy.log"
   "$PYSPY" record --pid "$pid" --duration 12 --rate 250 --idle --native --threads --format raw \
