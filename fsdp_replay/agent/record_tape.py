@@ -6,8 +6,11 @@ host synchronization, and its bytes when the step's payloads are stored. The op'
 unchanged: the recorded run stays bit-identical to an unrecorded one.
 
 With the C++ hook (``cxx/tape.py``) stacked on the tape, the calls of steps that store no payloads
-are recorded in C++; ``drain_native`` turns its records into the same events before each step's
-end, and the calls it left to Python (their outputs cloned) are fingerprinted there.
+are recorded in C++, and so are the CUDA calls of the flight recorder's steps (``--payloads
+window:N``), their outputs kept by the hook (copied on the device, then into pinned memory on a
+side stream: ``keep_outputs`` in ``_tape.cpp``); ``drain_native`` turns its records into the same
+events before each step's end, hands the kept copies to the flight recorder, and fingerprints
+the calls it left to Python (their outputs cloned).
 """
 
 from __future__ import annotations
@@ -139,7 +142,9 @@ class TapeRecorder:
     def sync_native(self) -> None:
         """Tell the C++ hook where the program is and whether it may record this step's calls:
         not while the agent stands aside, while CUPTI traces (our kernels are marked there), or
-        for steps whose payloads are stored (the Python path stores them)."""
+        for steps whose payloads are written (the Python path stores them); for the flight
+        recorder's steps it records them and keeps their CUDA outputs (``keep``), within the
+        payload ring's size of device copies in flight."""
         n = self.native
         if n is None:
             return
@@ -150,7 +155,9 @@ class TapeRecorder:
         ns = n.state
         ns.step, ns.micro = step, pos.micro
         ns.small_limit = self.tensors.small_limit(step) if small else -1
-        ns.fast = int(st.recording and not store and st.gpu is None)
+        keep = store and self.tensors.flight is not None and self.tensors.rings.capacity > 0
+        ns.keep, ns.keep_limit = int(keep), self.tensors.rings.capacity
+        ns.fast = int(st.recording and (keep or not store) and st.gpu is None)
 
     def micro(self, micro: int) -> None:
         if self.native is not None:
@@ -169,13 +176,30 @@ class TapeRecorder:
                 if r.deferred:
                     self._write(name, r.seq, r.step, r.micro, n.take(r.seq))
                 else:
-                    w.event(self._native_event(n, name, r))
+                    w.event(self._native_event(n, name, r, self._kept(n, r)))
             self.calls += len(records)
         if n.state.failed and not self.state.failed:
             self.fail("C++ tape", RuntimeError(n.error()))
 
+    def _kept(self, n: Any, r: Any) -> list[int] | None:
+        """The blob ids of a kept call's outputs (held by the flight recorder, or dropped at its
+        bound or, ``r.kept == 2``, at the hook's), or None for a call whose outputs were not kept."""
+        if not r.kept:
+            return None
+        t0 = time.thread_time_ns()
+        hosts, ready = n.kept(r.seq, r.ready) if r.kept == 1 else ([], None)
+        sizes = [r.t[j].nbytes for j in range(r.ntensors)]
+        if len(hosts) != len(sizes):  # not kept, or nothing to take: every output dropped
+            hosts = [None] * len(sizes)
+        blobs = [
+            self.tensors.hold_kept(r.step, nbytes, host, ready)
+            for nbytes, host in zip(sizes, hosts, strict=True)
+        ]
+        self.state.cpu_parts["payloads"] += time.thread_time_ns() - t0
+        return blobs
+
     @staticmethod
-    def _native_event(n: Any, name: str, r: Any) -> dict[str, Any]:
+    def _native_event(n: Any, name: str, r: Any, blobs: list[int] | None = None) -> dict[str, Any]:
         rows = _Rows(n, r.slot, r.event) if r.slot >= 0 else None
         tensors = []
         for j in range(r.ntensors):
@@ -186,7 +210,8 @@ class TapeRecorder:
                 assert rows is not None
                 fp: Any = Pending(None, None, rows.fp(j, t.nbytes))
                 nf: Any = Pending(None, None, rows.nf(j))
-                tensors.append(Tensor("o", dtype, shape, fp, schema.FP_LIN64, nf, schema.NO_BLOB, "cuda"))
+                blob = blobs[j] if blobs is not None else schema.NO_BLOB
+                tensors.append(Tensor("o", dtype, shape, fp, schema.FP_LIN64, nf, blob, "cuda"))
             else:
                 tensors.append(
                     Tensor("o", dtype, shape, t.fp, schema.FP_SK64, bool(t.nf), schema.NO_BLOB, "cpu")

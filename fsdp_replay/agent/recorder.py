@@ -299,6 +299,8 @@ class Recorder:
         if native is not None:
             out["tape_cxx_calls"] = native.state.calls
             out["tape_cxx_deferred"] = native.state.deferred
+            out["tape_cxx_kept"] = native.state.kept
+            out["tape_cxx_keep_dropped"] = native.state.keep_dropped
         return out
 
     def agent_cpu_ns(self) -> int:

@@ -117,6 +117,20 @@ class TensorRecorder:
             self.flight.landed += 1
         return blob
 
+    def hold_kept(self, step: int, nbytes: int, host: torch.Tensor | None, ready: Any) -> int:
+        """Into the flight recorder's memory: a payload whose pinned copy was made elsewhere (by
+        the tape's C++ hook: ``host``, complete once ``ready`` is), charged at the pinned block's
+        size; ``host`` None: the hook could not keep it (its bound of device copies in flight, or no
+        memory), dropped and counted as a full ring."""
+        assert self.flight is not None and self.state.writer is not None
+        made = None if host is None else (host, ready)
+        blob = self.flight.hold(step, None, nbytes, schema.FP_LIN64, lambda: made, pinned_bytes(nbytes))
+        if blob == schema.NO_BLOB:
+            self.state.writer.count_dropped(nbytes, ring_full=host is None)
+        else:
+            self.flight.landed += 1
+        return blob
+
     def small_limit(self, step: int) -> int:
         """Tensors of at most this many bytes keep their bytes at ``step`` whatever the policy
         stores (larger in the first steps), or -1 where the policy stores none."""

@@ -174,3 +174,76 @@ def test_taped_cuda_calls_are_fingerprinted_by_the_fused_kernel_launched_from_cx
     assert len(attn) == 1, sorted(by_op)
     want = [fingerprint(g, schema.FP_LIN64)[0].value() for g in (q.grad, k.grad, v.grad)]
     assert [fp for fp, _, _ in _values(attn[0])][:3] == want
+
+
+@pytest.mark.gpu
+def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
+    tmp_path: Path, library: str
+) -> None:
+    """The flight recorder's steps (``keep``): the hook copies each CUDA output on the device
+    and from there to pinned memory on a side stream; the bytes are the output's at the call even
+    when the program writes it in place right after; past ``keep_limit`` bytes in flight a call's
+    outputs are not kept, and the record says so."""
+    if not torch.cuda.is_available():
+        pytest.skip("gpu: no CUDA device")
+    from fsdp_replay.agent.fingerprint import fused
+
+    if not fused.available():
+        pytest.skip("no Triton: the hook leaves CUDA calls to Python")
+    rec, _events, native, op_tape = _recorder(tmp_path, library)
+    try:
+        x = torch.randn(2048, 300, device="cuda")
+        torch.ops.fsdpr_cxx_tape_test.mix(x)  # Python's: compiles, then arms the hook
+        assert native.cuda, rec.native_note
+        rec.drain_native()
+        native.state.keep, native.state.keep_limit = 1, 64 << 20
+        kept, dropped = native.state.kept, native.state.keep_dropped  # the process's counters
+        wants, outs = [], []
+        for i in range(4):
+            out = torch.ops.fsdpr_cxx_tape_test.mix(x[:, : 200 + i] * i)  # a strided input
+            wants.append(out.clone())
+            out.add_(1)  # in place, right after: the kept bytes are the call's
+            outs.append(out)
+        records = native.drain()
+        assert [r.kept for r in records] == [1, 1, 1, 1], [r.kept for r in records]
+        for r, want in zip(records, wants, strict=True):
+            hosts, ready = native.kept(r.seq, r.ready)
+            ready.synchronize()
+            assert ready.query()
+            assert len(hosts) == 1 and hosts[0].is_pinned() and hosts[0].dtype == torch.uint8
+            got = hosts[0].view(want.dtype).view(want.shape)
+            assert torch.equal(got, want.cpu())
+            native.rows(r.slot, r.event)  # frees the fingerprint's slot, as the writer does
+        native.state.keep_limit = x.numel() * 4 - 1  # less than one output: not kept, said so
+        torch.ops.fsdpr_cxx_tape_test.mix(x)
+        (r,) = native.drain()
+        native.rows(r.slot, r.event)
+        assert r.kept == 2 and native.state.keep_dropped == dropped + 1 and native.state.kept == kept + 4
+        torch.cuda.synchronize()
+        native.state.keep_limit = 64 << 20
+        torch.ops.fsdpr_cxx_tape_test.mix(x[:, :10])  # reaps the landed device copies first
+        (r,) = native.drain()
+        hosts, ready = native.kept(r.seq, r.ready)
+        ready.synchronize()
+        assert native.state.keep_live == x[:, :10].numel() * 4, native.state.keep_live
+    finally:
+        op_tape.uninstall()
+    assert not native.state.failed, native.error()
+
+
+def test_with_keep_a_cpu_call_goes_to_python_which_holds_cpu_outputs(tmp_path: Path, library: str) -> None:
+    """The hook keeps only CUDA outputs: on a flight-recorder step (``keep``) a CPU call's outputs
+    are cloned for the Python path, which fingerprints them at the drain (and holds their bytes)."""
+    rec, events, native, op_tape = _recorder(tmp_path, library)
+    try:
+        native.state.keep, native.state.keep_limit = 1, 1 << 20
+        st = native.state
+        before = (st.calls, st.deferred, st.kept)  # the library's counters are the process's
+        x = torch.randn(64, 300)
+        out = torch.ops.fsdpr_cxx_tape_test.mix(x)
+        assert (st.calls, st.deferred, st.kept) == (before[0] + 1, before[1] + 1, before[2])
+        rec.drain_native()
+    finally:
+        op_tape.uninstall()
+    (ev,) = events.events
+    assert _values(ev) == [fingerprint(out)]

@@ -535,3 +535,34 @@ def test_a_copy_that_finds_no_memory_is_dropped_and_counted_not_raised() -> None
     assert ring.hold(0, object(), 1000, "lin64", no_memory) == schema.NO_BLOB
     assert ring.take_drops() == (1, 1000, 0)
     assert ring.counters()["flight_blobs_dropped"] == 1 and ring.counters()["flight_held_bytes"] == 0
+
+
+def test_a_payload_the_tapes_cxx_hook_kept_is_held_and_one_it_could_not_keep_is_a_ring_full_drop(
+    tmp_path: Path,
+) -> None:
+    """``TensorRecorder.hold_kept``: the C++ hook made the pinned copy (here a CPU tensor and no
+    event); held at its pinned block's charge and counted as landed. One the hook could not keep
+    (``host`` None: its bound of device copies in flight) is dropped as a full ring, in the flight
+    recorder's counters and the writer's."""
+    from fsdp_replay.agent.payload_ring import pinned_bytes
+    from fsdp_replay.agent.tensor_record import TensorRecorder
+
+    config = RecordConfig.from_env({"FSDP_REPLAY_OUT": str(tmp_path), "FSDP_REPLAY_PAYLOADS": "window:2"})
+    state = AgentState(payload_now=True)
+    flight = FlightRecorder(2, 1 << 20)
+    flight.hold_snapshot(0, {"step": 0}, [], 8)
+    drops: list[tuple[int, bool]] = []
+
+    class Writer:
+        def count_dropped(self, nbytes: int, ring_full: bool = False) -> None:
+            drops.append((nbytes, ring_full))
+
+    state.writer = Writer()  # type: ignore[assignment]
+    tensors = TensorRecorder(config, state, flight)
+    host = torch.arange(1000, dtype=torch.uint8)
+    blob = tensors.hold_kept(0, 1000, host, None)
+    assert blob != schema.NO_BLOB and flight.landed == 1
+    assert flight.counters()["flight_held_bytes"] == pinned_bytes(1000) == 1024
+    assert tensors.hold_kept(0, 3000, None, None) == schema.NO_BLOB
+    assert drops == [(3000, True)] and flight.take_drops() == (1, 3000, 1)
+    assert flight.counters()["flight_ring_full_drops"] == 1

@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from harness import CLI, EXAMPLE, assert_same_params, child_env, run, torchrun_cmd
 
@@ -360,6 +361,21 @@ def test_a_nan_on_the_gpu_dumps_the_window_through_the_payload_ring_and_it_repla
     assert dumps[0]["blobs"] > 0 and all(d["dropped"] == 0 for d in dumps), dumps
     counters = rt.attrs["end"]["counters"]
     assert counters["flight_ring_landed"] > 0 and counters["flight_ring_full_drops"] == 0, counters
+    # the tape's CUDA calls were recorded by its C++ hook, which kept their outputs (session 15):
+    # every taped output of the dumped steps has its bytes, none of the healthy steps before
+    if counters.get("tape_cxx_calls", 0):
+        assert counters["tape_cxx_kept"] > 0 and counters["tape_cxx_keep_dropped"] == 0, counters
+    tape, tt = rt.table("tape"), rt.table("tape_tensors")
+    tape_steps = tape["step"][tt["call"]] if len(tt) else np.zeros(0, dtype=np.int64)
+    dumped = (tape_steps >= 4) & (tape_steps <= 9)
+    print(
+        "taped outputs in steps 4..9:",
+        int(dumped.sum()),
+        "with bytes:",
+        int((tt["payload"][dumped] >= 0).sum()),
+    )
+    assert dumped.any() and (tt["payload"][dumped] >= 0).all()
+    assert not (tt["payload"][tape_steps < 4] >= 0).any()
     outs = rt.tensors["role"] == schema.ROLE_OUTPUT
     steps = rt.collectives["step"][rt.tensors["coll"]]
     assert set(steps[outs & (rt.tensors["payload"] >= 0)].tolist()) >= set(range(4, 10))

@@ -25,6 +25,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <deque>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -32,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -40,7 +42,7 @@
 extern "C" int fsdpr_sk64_many(size_t n, const uint64_t *ptrs, const uint64_t *nbytes, const int32_t *kinds,
                                uint64_t *fps, uint8_t *nfs);
 
-#define FSDPR_TAPE_ABI 1
+#define FSDPR_TAPE_ABI 2
 #define FSDPR_MAXT 4
 #define FSDPR_MAXDIM 8
 #define FSDPR_SLOT_WORDS 16  // fused.py: MAX_TENSORS rows of (S, A, B, nonfinite)
@@ -58,6 +60,15 @@ struct fsdpr_tape_state {
   int32_t fast;         // 1: record calls here; 0: every call goes to the Python kernel
   int32_t failed;       // an internal error happened (error[] says which); calls go to Python
   char error[512];
+  // The flight recorder's steps (--payloads window:N): CUDA outputs are also kept, copied on the
+  // device (the program may write them in place later) and from there into pinned memory on a
+  // side stream (keep_outputs), for Python to hold at the drain.
+  int64_t keep_limit;  // device bytes of copies whose host copy is not done yet, at most
+  int64_t keep_live;   // those bytes now
+  int64_t kept;        // calls whose outputs were kept
+  int64_t keep_dropped;  // calls whose outputs could not be (keep_limit, no pinned memory)
+  int32_t keep;        // 1: keep CUDA outputs (only with fast)
+  int32_t pad;
 };
 
 struct fsdpr_tape_tensor {
@@ -76,10 +87,14 @@ struct fsdpr_tape_record {
   int64_t step;
   int64_t micro;
   int64_t event;  // CUevent after which the slot holds the rows (0: none)
+  int64_t ready;  // kept == 1: the CUevent after which the host copies are complete
   int32_t op;     // fsdpr_tape_add's number for the op
   int32_t slot;   // the pinned rows' slot, or -1
   int32_t ntensors;
   int32_t deferred;  // 1: the outputs are clones waiting for Python (fsdpr_tape::take)
+  int32_t kept;      // 1: the outputs' bytes are on their way to pinned memory (fsdpr_tape::kept);
+                     // 2: they were to be kept and could not be (dropped: Python counts them)
+  int32_t pad;
   fsdpr_tape_tensor t[FSDPR_MAXT];
 };
 }
@@ -101,6 +116,8 @@ struct Driver {
   CUresult (*event_record)(CUevent, CUstream) = nullptr;
   CUresult (*event_sync)(CUevent) = nullptr;
   CUresult (*event_destroy)(CUevent) = nullptr;
+  CUresult (*event_query)(CUevent) = nullptr;
+  CUresult (*stream_wait_event)(CUstream, CUevent, unsigned) = nullptr;
   CUresult (*is_capturing)(CUstream, int *) = nullptr;
   CUresult (*ctx_get)(CUcontext *) = nullptr;
   CUresult (*ctx_set)(CUcontext) = nullptr;
@@ -128,6 +145,7 @@ bool load_driver(std::string &why) {
   bool ok = sym(lib, "cuLaunchKernel", drv.launch) && sym(lib, "cuEventCreate", drv.event_create) &&
             sym(lib, "cuEventRecord", drv.event_record) && sym(lib, "cuEventSynchronize", drv.event_sync) &&
             sym(lib, "cuEventDestroy_v2", drv.event_destroy) && sym(lib, "cuStreamIsCapturing", drv.is_capturing) &&
+            sym(lib, "cuEventQuery", drv.event_query) && sym(lib, "cuStreamWaitEvent", drv.stream_wait_event) &&
             sym(lib, "cuCtxGetCurrent", drv.ctx_get) && sym(lib, "cuCtxSetCurrent", drv.ctx_set) &&
             sym(lib, "cuDevicePrimaryCtxRetain", drv.primary_retain) && sym(lib, "cuDeviceGet", drv.device_get);
   if (!ok) {
@@ -139,7 +157,7 @@ bool load_driver(std::string &why) {
 }
 
 // -- state ------------------------------------------------------------------------------------
-fsdpr_tape_state state = {0, 0, -1, 0, 0, 0, 0, 0, {0}};
+fsdpr_tape_state state = {0, 0, -1, 0, 0, 0, 0, 0, {0}, 0, 0, 0, 0, 0, 0};
 std::atomic<int64_t> next_seq{0};
 thread_local int agent_depth = 0;  // the agent's own work (tape.py: agent_work), or the Python kernel's
 
@@ -363,6 +381,132 @@ bool launch_fused(const std::vector<at::Tensor> &outs, int32_t slot, CUevent *ev
   return true;
 }
 
+// -- kept outputs (the flight recorder's steps) ------------------------------------------------
+// A kept call's outputs are copied on the program's stream into device memory of their own (the
+// program may write an output in place right after the call: autograd accumulates into them),
+// and from there into pinned host memory on a side stream, behind an event: the program's stream
+// runs one device-to-device copy per output and never waits for the host copy. The device copies
+// are freed by a later call once the host copies' event has completed (an event query, never a
+// wait); while more than keep_limit bytes of them are in flight, a call's outputs are not kept
+// (the record says so, and Python counts them dropped). Python takes the pinned copies at the
+// drain (fsdpr_tape::kept) with the event, which it releases when done with it.
+struct Landing {
+  CUevent ready;
+  std::vector<at::Tensor> copies;
+  int64_t nbytes;
+};
+std::deque<Landing> landing;                                        // oldest first
+std::unordered_map<int64_t, std::vector<at::Tensor>> kept_outputs;  // seq -> pinned copies
+std::unordered_map<CUevent, int> event_refs;  // ready events: landing's reference, Python's
+std::map<int, c10::Stream> side_streams;
+
+CUevent take_event_locked() {
+  CUevent ev = nullptr;
+  if (!free_events.empty()) {
+    ev = free_events.back();
+    free_events.pop_back();
+  } else if (drv.event_create(&ev, EVENT_FLAGS) != 0) {
+    ev = nullptr;
+  }
+  return ev;
+}
+
+void unref_event_locked(CUevent ev) {
+  auto it = event_refs.find(ev);
+  if (it == event_refs.end() || --it->second > 0) return;
+  event_refs.erase(it);
+  free_events.push_back(ev);
+}
+
+// Free the device copies whose host copies are done, oldest first (never waits). Under mu.
+void reap_locked() {
+  while (!landing.empty() && drv.event_query(landing.front().ready) == 0) {
+    state.keep_live -= landing.front().nbytes;
+    unref_event_locked(landing.front().ready);
+    landing.pop_front();  // the side stream is done with them: back to the caching allocator
+  }
+}
+
+// Keep a call's CUDA outputs (see above): 1 kept (*ready is the host copies' event), 2 not kept.
+int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *ready_out) {
+  int64_t total = 0;
+  for (const at::Tensor &t : outs) total += t.numel() * (int64_t)t.element_size();
+  {
+    std::lock_guard<std::mutex> g(mu);
+    reap_locked();
+    if (state.keep_live + total > state.keep_limit) {
+      state.keep_dropped++;
+      return 2;
+    }
+    state.keep_live += total;  // reserved
+  }
+  auto impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  c10::Device device(c10::DeviceType::CUDA, (c10::DeviceIndex)fused.device);
+  std::vector<at::Tensor> copies, hosts;
+  CUevent copied = nullptr, ready = nullptr;
+  auto give_back = [&](bool events) {
+    std::lock_guard<std::mutex> g(mu);
+    state.keep_live -= total;
+    state.keep_dropped++;
+    if (events) {
+      if (copied != nullptr) free_events.push_back(copied);
+      if (ready != nullptr) free_events.push_back(ready);
+    }
+  };
+  try {
+    for (const at::Tensor &t : outs) {
+      at::Tensor c = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+      c.copy_(t);
+      copies.push_back(std::move(c));
+    }
+    for (const at::Tensor &c : copies)
+      hosts.push_back(at::empty({c.numel() * (int64_t)c.element_size()},
+                                at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
+  } catch (const std::exception &) {  // no device or pinned memory: not kept, counted
+    give_back(false);
+    return 2;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu);
+    copied = take_event_locked();
+    ready = copied != nullptr ? take_event_locked() : nullptr;
+  }
+  CUstream training = current_stream(fused.device);
+  if (ready == nullptr || drv.event_record(copied, training) != 0) {
+    give_back(true);
+    return 2;
+  }
+  c10::Stream side = [&] {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = side_streams.find(fused.device);
+    if (it == side_streams.end()) it = side_streams.emplace(fused.device, impl->getStreamFromGlobalPool(device)).first;
+    return it->second;
+  }();
+  CUstream side_handle = (CUstream)impl->getStreamNativeHandle(side);
+  if (drv.stream_wait_event(side_handle, copied, 0) != 0) {
+    give_back(true);
+    return 2;
+  }
+  c10::Stream previous = impl->exchangeStream(side);
+  try {
+    for (size_t i = 0; i < copies.size(); ++i)
+      if (hosts[i].numel()) hosts[i].copy_(copies[i].reshape({-1}).view(at::kByte), /*non_blocking=*/true);
+  } catch (...) {
+    impl->exchangeStream(previous);
+    throw;  // a failed copy launch: the recorder's error, said once (record's caller)
+  }
+  impl->exchangeStream(previous);
+  if (drv.event_record(ready, side_handle) != 0) throw std::runtime_error("cuEventRecord failed (kept outputs)");
+  std::lock_guard<std::mutex> g(mu);
+  free_events.push_back(copied);  // the side stream's wait is queued: the event may be recorded again
+  event_refs[ready] = 2;
+  landing.push_back(Landing{ready, std::move(copies), total});
+  kept_outputs[seq] = std::move(hosts);
+  state.kept++;
+  *ready_out = (int64_t)ready;
+  return 1;
+}
+
 struct TapeOp {
   std::string name;  // "ns::op.overload"
   c10::OperatorHandle handle;
@@ -419,6 +563,7 @@ void record(int32_t op, const std::vector<at::Tensor> &outs) {
       defer = true;
   }
   if (cuda && !fused.on) defer = true;
+  if (state.keep && !cuda) defer = true;  // CPU outputs to keep: Python holds their bytes
   if (!defer) {
     r.ntensors = (int32_t)outs.size();
     for (size_t i = 0; i < outs.size(); ++i) {
@@ -454,6 +599,7 @@ void record(int32_t op, const std::vector<at::Tensor> &outs) {
         defer = true;
       } else {
         r.event = (int64_t)ev;
+        if (state.keep) r.kept = keep_outputs(r.seq, outs, &r.ready);
       }
     } else {
       uint64_t ptrs[FSDPR_MAXT], nbytes[FSDPR_MAXT], fps[FSDPR_MAXT];
@@ -657,6 +803,20 @@ int fsdpr_tape_rows(int32_t slot, int64_t event, int64_t *rows) {
   return rc;
 }
 
+// A kept call's ready event (record.ready): 0 once the host copies are complete, 1 not yet,
+// -1 an error; _sync waits (call without the GIL); _release: Python is done with it.
+int fsdpr_tape_event_query(int64_t event) {
+  CUresult rc = drv.event_query((CUevent)event);
+  return rc == 0 ? 0 : rc == 600 ? 1 : -1;  // CUDA_ERROR_NOT_READY
+}
+
+int fsdpr_tape_event_sync(int64_t event) { return drv.event_sync((CUevent)event) == 0 ? 0 : -1; }
+
+void fsdpr_tape_event_release(int64_t event) {
+  std::lock_guard<std::mutex> g(mu);
+  unref_event_locked((CUevent)event);
+}
+
 }  // extern "C"
 
 namespace {
@@ -668,6 +828,16 @@ std::vector<at::Tensor> take(int64_t seq) {
   if (it == deferred_outputs.end()) return {};
   auto out = std::move(it->second);
   deferred_outputs.erase(it);
+  return out;
+}
+
+// The pinned copies of a kept call's outputs (forgotten here; their event is Python's to release).
+std::vector<at::Tensor> kept(int64_t seq) {
+  std::lock_guard<std::mutex> g(mu);
+  auto it = kept_outputs.find(seq);
+  if (it == kept_outputs.end()) return {};
+  auto out = std::move(it->second);
+  kept_outputs.erase(it);
   return out;
 }
 
@@ -699,5 +869,6 @@ at::Tensor probe(const at::Tensor &t) {
 
 TORCH_LIBRARY(fsdpr_tape, m) {
   m.def("take(int seq) -> Tensor[]", &take);
+  m.def("kept(int seq) -> Tensor[]", &kept);
   m.def("probe(Tensor t) -> Tensor", &probe);
 }

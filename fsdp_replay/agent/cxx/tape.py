@@ -24,7 +24,7 @@ from fsdp_replay.agent.cxx import kernel as builder
 log = logging.getLogger(__name__)
 
 SOURCE = builder.HERE / "_tape.cpp"
-ABI = 1  # FSDPR_TAPE_ABI of the source this module is written for
+ABI = 2  # FSDPR_TAPE_ABI of the source this module is written for
 MAXT = 4
 MAXDIM = 8
 SLOT_WORDS = 16
@@ -49,6 +49,12 @@ class State(ctypes.Structure):
         ("fast", ctypes.c_int32),
         ("failed", ctypes.c_int32),
         ("error", ctypes.c_char * 512),
+        ("keep_limit", ctypes.c_int64),
+        ("keep_live", ctypes.c_int64),
+        ("kept", ctypes.c_int64),
+        ("keep_dropped", ctypes.c_int64),
+        ("keep", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
     ]
 
 
@@ -71,10 +77,13 @@ class Record(ctypes.Structure):
         ("step", ctypes.c_int64),
         ("micro", ctypes.c_int64),
         ("event", ctypes.c_int64),
+        ("ready", ctypes.c_int64),
         ("op", ctypes.c_int32),
         ("slot", ctypes.c_int32),
         ("ntensors", ctypes.c_int32),
         ("deferred", ctypes.c_int32),
+        ("kept", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
         ("t", TensorRecord * MAXT),
     ]
 
@@ -138,11 +147,17 @@ class NativeTape:
             ctypes.c_size_t,
         ]
         released.fsdpr_tape_rows.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p]
+        held.fsdpr_tape_event_query.argtypes = [ctypes.c_int64]
+        held.fsdpr_tape_event_release.argtypes = [ctypes.c_int64]
+        released.fsdpr_tape_event_sync.argtypes = [ctypes.c_int64]
         self.path = path
         self.state = State.from_address(held.fsdpr_tape_state_ptr())
         self._held = held
         self._rows = released.fsdpr_tape_rows  # waits for an event: releases the GIL
         self.agent = held.fsdpr_tape_agent
+        self._event_query = held.fsdpr_tape_event_query
+        self._event_release = held.fsdpr_tape_event_release
+        self._event_sync = released.fsdpr_tape_event_sync  # waits: releases the GIL
         self.next_seq = held.fsdpr_tape_next_seq
         self.names: list[str] = []  # the ops' names, by the number the library gave them
         self.cuda = False  # the fused kernel launches from C++ (set_kernel, checked)
@@ -222,5 +237,35 @@ class NativeTape:
         """The clones of a deferred call's outputs."""
         return list(torch.ops.fsdpr_tape.take(seq))
 
+    def kept(self, seq: int, ready: int) -> tuple[list[torch.Tensor], KeptEvent]:
+        """A kept call's (``record.kept == 1``) pinned uint8 copies of its outputs, and its
+        ``record.ready`` event, after which they are complete."""
+        return list(torch.ops.fsdpr_tape.kept(seq)), KeptEvent(self, ready)
+
     def error(self) -> str:
         return self.state.error.decode(errors="replace")
+
+
+class KeptEvent:
+    """A kept call's ready event (``record.ready``), as the writer and the flight recorder use a
+    ``torch.cuda.Event``: ``query``, ``synchronize``; given back to the library when dropped."""
+
+    __slots__ = ("_handle", "_native")
+
+    def __init__(self, native: NativeTape, handle: int) -> None:
+        self._native, self._handle = native, handle
+
+    def query(self) -> bool:
+        rc = self._native._event_query(self._handle)
+        if rc < 0:
+            raise TapeError("querying a kept call's copy event failed")
+        return rc == 0
+
+    def synchronize(self) -> None:
+        if self._native._event_sync(self._handle) != 0:
+            raise TapeError("waiting for a kept call's copy event failed")
+
+    def __del__(self) -> None:
+        if self._handle:
+            self._native._event_release(self._handle)
+            self._handle = 0
