@@ -193,8 +193,10 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
     rec, _events, native, op_tape = _recorder(tmp_path, library)
     try:
         x = torch.randn(2048, 300, device="cuda")
-        torch.ops.fsdpr_cxx_tape_test.mix(x)  # Python's: compiles, then arms the hook
+        native.state.fast = 0  # the Python kernel's call: compiles, then arms the hook (this
+        torch.ops.fsdpr_cxx_tape_test.mix(x)  # NativeTape: the library's CUDA path may be on already)
         assert native.cuda, rec.native_note
+        rec.sync_native()
         rec.drain_native()
         native.state.keep, native.state.keep_limit = 1, 64 << 20
         kept, dropped = native.state.kept, native.state.keep_dropped  # the process's counters
