@@ -444,14 +444,12 @@ int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *
   c10::Device device(c10::DeviceType::CUDA, (c10::DeviceIndex)fused.device);
   std::vector<at::Tensor> copies, hosts;
   CUevent copied = nullptr, ready = nullptr;
-  auto give_back = [&](bool events) {
+  auto give_back = [&] {  // not kept after all: the reservation and any events taken go back
     std::lock_guard<std::mutex> g(mu);
     state.keep_live -= total;
     state.keep_dropped++;
-    if (events) {
-      if (copied != nullptr) free_events.push_back(copied);
-      if (ready != nullptr) free_events.push_back(ready);
-    }
+    if (copied != nullptr) free_events.push_back(copied);
+    if (ready != nullptr) free_events.push_back(ready);
   };
   try {
     for (const at::Tensor &t : outs) {
@@ -463,7 +461,7 @@ int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *
       hosts.push_back(at::empty({c.numel() * (int64_t)c.element_size()},
                                 at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
   } catch (const std::exception &) {  // no device or pinned memory: not kept, counted
-    give_back(false);
+    give_back();
     return 2;
   }
   {
@@ -473,7 +471,7 @@ int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *
   }
   CUstream training = current_stream(fused.device);
   if (ready == nullptr || drv.event_record(copied, training) != 0) {
-    give_back(true);
+    give_back();
     return 2;
   }
   c10::Stream side = [&] {
@@ -484,7 +482,7 @@ int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *
   }();
   CUstream side_handle = (CUstream)impl->getStreamNativeHandle(side);
   if (drv.stream_wait_event(side_handle, copied, 0) != 0) {
-    give_back(true);
+    give_back();
     return 2;
   }
   c10::Stream previous = impl->exchangeStream(side);
@@ -821,25 +819,21 @@ void fsdpr_tape_event_release(int64_t event) {
 
 namespace {
 
-// The clones of a deferred call's outputs, for Python to fingerprint (and forget here).
-std::vector<at::Tensor> take(int64_t seq) {
+// A call's tensors in `from`, handed over (and forgotten here); none where there are none.
+std::vector<at::Tensor> pop(std::unordered_map<int64_t, std::vector<at::Tensor>> &from, int64_t seq) {
   std::lock_guard<std::mutex> g(mu);
-  auto it = deferred_outputs.find(seq);
-  if (it == deferred_outputs.end()) return {};
+  auto it = from.find(seq);
+  if (it == from.end()) return {};
   auto out = std::move(it->second);
-  deferred_outputs.erase(it);
+  from.erase(it);
   return out;
 }
 
-// The pinned copies of a kept call's outputs (forgotten here; their event is Python's to release).
-std::vector<at::Tensor> kept(int64_t seq) {
-  std::lock_guard<std::mutex> g(mu);
-  auto it = kept_outputs.find(seq);
-  if (it == kept_outputs.end()) return {};
-  auto out = std::move(it->second);
-  kept_outputs.erase(it);
-  return out;
-}
+// The clones of a deferred call's outputs, for Python to fingerprint.
+std::vector<at::Tensor> take(int64_t seq) { return pop(deferred_outputs, seq); }
+
+// The pinned copies of a kept call's outputs (their event is Python's to release).
+std::vector<at::Tensor> kept(int64_t seq) { return pop(kept_outputs, seq); }
 
 // The fused kernel launched from here for `t` (a check against Triton's own launch): its rows.
 at::Tensor probe(const at::Tensor &t) {
