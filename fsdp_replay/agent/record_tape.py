@@ -58,6 +58,7 @@ class TapeRecorder:
         self.native: Any = None  # the C++ hook (cxx/tape.NativeTape), while stacked on the tape
         self.native_note = ""  # why its CUDA path is off, once tried
         self._cuda_tried = False
+        self._mark_warned = False
 
     def _next_seq(self) -> int:
         if self.native is not None:  # one numbering for the C++ hook's calls and ours
@@ -141,10 +142,11 @@ class TapeRecorder:
 
     def sync_native(self) -> None:
         """Tell the C++ hook where the program is and whether it may record this step's calls:
-        not while the agent stands aside, while CUPTI traces (our kernels are marked there), or
-        for steps whose payloads are written (the Python path stores them); for the flight
-        recorder's steps it records them and keeps their CUDA outputs (``keep``), within the
-        payload ring's size of device copies in flight."""
+        not while the agent stands aside, or for steps whose payloads are written (the Python
+        path stores them); for the flight recorder's steps it records them and keeps their CUDA
+        outputs (``keep``), within the payload ring's size of device copies in flight. While CUPTI
+        traces, the hook marks its own launches as the agent's (``mark``, with libcupti's functions
+        the capture gives); where it cannot, or CUPTI refused a mark, the Python kernel records."""
         n = self.native
         if n is None:
             return
@@ -157,7 +159,12 @@ class TapeRecorder:
         ns.small_limit = self.tensors.small_limit(step) if small else -1
         keep = store and self.tensors.flight is not None and self.tensors.rings.capacity > 0
         ns.keep, ns.keep_limit = int(keep), self.tensors.rings.capacity
-        ns.fast = int(st.recording and (keep or not store) and st.gpu is None)
+        marking = st.gpu.marking() if st.gpu is not None else None
+        if marking is not None:
+            ns.mark_push, ns.mark_pop, ns.mark_kind, ns.mark_id = marking
+        ns.mark = int(marking is not None)
+        can = st.gpu is None or (marking is not None and not ns.mark_errors)
+        ns.fast = int(st.recording and (keep or not store) and can)
 
     def micro(self, micro: int) -> None:
         if self.native is not None:
@@ -180,6 +187,12 @@ class TapeRecorder:
             self.calls += len(records)
         if n.state.failed and not self.state.failed:
             self.fail("C++ tape", RuntimeError(n.error()))
+        if n.state.mark_errors and not self._mark_warned:
+            self._mark_warned = True
+            log.warning(
+                "fsdp-replay: CUPTI refused the tape's C++ hook a mark of its own launches (counter "
+                "tape_cxx_mark_errors); the Python kernel records the taped calls from here on"
+            )
 
     def _kept(self, n: Any, r: Any) -> list[int] | None:
         """The blob ids of a kept call's outputs (held by the flight recorder, or dropped at its

@@ -301,6 +301,8 @@ class Recorder:
             out["tape_cxx_deferred"] = native.state.deferred
             out["tape_cxx_kept"] = native.state.kept
             out["tape_cxx_keep_dropped"] = native.state.keep_dropped
+            out["tape_cxx_marked"] = native.state.marks
+            out["tape_cxx_mark_errors"] = native.state.mark_errors
         return out
 
     def agent_cpu_ns(self) -> int:

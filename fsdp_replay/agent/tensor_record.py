@@ -111,9 +111,15 @@ class TensorRecorder:
 
         cost = pinned_bytes(nbytes) if t.device.type == "cuda" else nbytes
         blob = self.flight.hold(self.state.pos.step, fp, nbytes, algo, copy, cost)
+        # landed: a new payload (``copy`` runs only for one)
+        return self._counted(w, blob, nbytes, ring_full=how == ["ring full"], landed=how == ["landed"])
+
+    def _counted(self, w: BackgroundWriter, blob: int, nbytes: int, ring_full: bool, landed: bool) -> int:
+        """``blob`` as held: a drop counted (as a full ring or not), or a payload that landed."""
+        assert self.flight is not None
         if blob == schema.NO_BLOB:
-            w.count_dropped(nbytes, ring_full=how == ["ring full"])
-        elif how == ["landed"]:  # a new payload (``copy`` runs only for one)
+            w.count_dropped(nbytes, ring_full=ring_full)
+        elif landed:
             self.flight.landed += 1
         return blob
 
@@ -125,11 +131,7 @@ class TensorRecorder:
         assert self.flight is not None and self.state.writer is not None
         made = None if host is None else (host, ready)
         blob = self.flight.hold(step, None, nbytes, schema.FP_LIN64, lambda: made, pinned_bytes(nbytes))
-        if blob == schema.NO_BLOB:
-            self.state.writer.count_dropped(nbytes, ring_full=host is None)
-        else:
-            self.flight.landed += 1
-        return blob
+        return self._counted(self.state.writer, blob, nbytes, ring_full=host is None, landed=True)
 
     def small_limit(self, step: int) -> int:
         """Tensors of at most this many bytes keep their bytes at ``step`` whatever the policy

@@ -57,6 +57,7 @@ def cupti_summary(r: RankTrace) -> dict[str, Any] | None:
         "pauses": [s for s in states if s.get("state") in ("paused", "lost", "error")],
         "off": next((s["reason"] for s in states if s.get("state") == "off"), None),
         "agent_records": int(counters.get("cupti_agent_records", 0)),
+        "detaches": int(counters.get("cupti_detaches", 0)),  # (absent before session 16: 0)
         "dropped": {key: int(counters[key]) for key in DROP_COUNTERS if counters.get(key)},
         "clock": attr.get("clock") or [],
     }
@@ -71,12 +72,23 @@ def cupti_lines(rank: int, s: dict[str, Any]) -> list[str]:
     if not s["kernels"] and not s["copies"] and not s["pauses"]:
         return []
     steps = s["steps"]
-    span = (
-        "no step" if not steps else f"steps {steps[0]}..{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
-    )
+    if not steps:
+        span = "no step"
+    elif len(steps) == 1:
+        span = f"step {steps[0]}"
+    elif len(steps) == steps[-1] - steps[0] + 1:
+        span = f"steps {steps[0]}..{steps[-1]}"
+    else:  # windows: say which steps, not a range that suggests every step in it
+        span = f"{len(steps)} steps ({', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''})"
+    detached = s.get("detaches", 0)
     lines = [
         f"rank {rank}: CUDA kernels captured (CUPTI): {s['kernels']} kernels ({s['distinct_kernels']} distinct) "
         f"and {s['copies']} copies over {span}; {s['agent_records']} of the agent's own left out"
+        + (
+            f"; CUPTI let go between windows {detached} time{'s' if detached != 1 else ''}"
+            if detached
+            else ""
+        )
     ]
     if s["dropped"]:
         why = ", ".join(f"{n} ({DROP_COUNTERS[key]})" for key, n in s["dropped"].items())

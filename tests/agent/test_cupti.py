@@ -225,6 +225,36 @@ def test_records_become_rows_placed_by_their_launch() -> None:
     assert [e["name_base"] for e in events] == [3] and events[0]["type"] == schema.EV_CUPTI
 
 
+def test_a_window_ended_lets_its_launches_go_so_restarted_correlation_ids_are_placed_anew() -> None:
+    """Once CUPTI is finalized between windows (or by another profiler) its correlation ids
+    start over: a launch kept from the last window must not claim the next window's kernel of the
+    same id. Before ``forget_launches`` it did (on the H200, 99 kernels of step 4 were placed in
+    step 1 of a two-window capture)."""
+    decoder = Decoder()
+    window1 = Batch()
+    records.extract(
+        [api(1, 1000, TRAIN), ext(1, ext_position(1, 0, 3)), kernel(1, 1100, 1200, "_Z4gemmv")],
+        KINDS,
+        window1,
+    )
+    (row,) = decoder.decode(window1, Marks(positions=[(900, 1, 0, 3)])).kernels
+    assert tuple(row[:3]) == (1, 0, 3)
+    decoder.forget_launches()  # the window's final batch: everything it launched has run
+    window2 = Batch()  # after a finalize, ids from 1 again
+    records.extract(
+        [api(1, 5000, TRAIN), ext(1, ext_position(4, 0, 9)), kernel(1, 5100, 5200, "_Z4gemmv")],
+        KINDS,
+        window2,
+    )
+    (row,) = decoder.decode(window2, Marks(positions=[(4900, 4, 0, 9)])).kernels
+    assert tuple(row[:3]) == (4, 0, 9)
+    # without letting go, the first window's launch of id 1 would have won (the older one first)
+    stale = Decoder()
+    stale.decode(window1, Marks(positions=[(900, 1, 0, 3)]))
+    (row,) = stale.decode(window2, Marks(positions=[(4900, 4, 0, 9)])).kernels
+    assert tuple(row[:3]) == (1, 0, 3)
+
+
 def test_long_batches_are_cut_into_events_and_names_stay_numbered(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(records, "ROWS_PER_EVENT", 2)
     batch = Batch()
@@ -355,7 +385,14 @@ def test_rows_go_through_a_real_spool_collect_and_reader(tmp_path: Path) -> None
     text = cupti_lines(0, summary)
     assert "6 kernels (5 distinct) and 3 copies over steps 0..1" in text[0]
     assert "step 2: paused: torch.profiler" in text[1]
+    assert "let go" not in text[0]  # no detach counted (this trace has no end event)
     assert r.read_all() > 0  # every array, kernels and copies included, matches the array list
+    # windows with CUPTI let go between them: the steps named, not a range, and the detaches said
+    windows = {**summary, "steps": [1, 4, 9], "detaches": 2}
+    assert (
+        "over 3 steps (1, 4, 9); 0 of the agent's own left out; CUPTI let go between windows 2 times"
+        in (cupti_lines(0, windows)[0])
+    )
 
 
 # -- other profilers --------------------------------------------------------------------------------
@@ -404,6 +441,16 @@ def test_injected_cupti_clients_are_found_by_library_or_variable() -> None:
     assert coexist.foreign_holder({"probe": "busy", "holder": ""}) is None  # a legacy subscriber: maybe idle
     assert coexist.foreign_holder({"probe": "busy", "holder": "Nsight Systems"}) == "Nsight Systems"
     assert coexist.foreign_holder({"probe": "ok", "holder": ""}) is None
+
+
+def test_cupti_is_finalized_between_windows_only_from_cuda_12_6() -> None:
+    """Before CUDA 12.6 a CUDA graph launched after ``cuptiFinalize`` could crash: CUPTI stays
+    attached there, and the reason is said; a version that cannot be read is not trusted."""
+    assert coexist.detach_unsafe("13.0") == "" and coexist.detach_unsafe("12.6") == ""
+    assert "before 12.6" in coexist.detach_unsafe("12.4")
+    assert "not understood" in coexist.detach_unsafe(None)
+    assert "not understood" in coexist.detach_unsafe("13")
+    assert "not understood" in coexist.detach_unsafe("13.x")
 
 
 # -- a CPU recording ----------------------------------------------------------------------------------

@@ -221,3 +221,16 @@ def test_the_library_source_is_what_the_build_compiles(
     built = native.build()
     assert built.exists() and built.parent.parent == tmp_path / "kernels"
     assert native.build() == built  # cached
+
+
+def test_a_detach_that_cupti_refuses_is_an_error_naming_the_call(reader: native.NativeRecords) -> None:
+    """CUPTI's dynamic detach (``fsdpr_cupti_detach``: a subscription whose first API exit calls
+    ``cuptiFinalize``) with a real libcupti: on a machine without a GPU driver CUPTI refuses the
+    subscription, which is a NativeError naming the call and its code, and nothing is pending
+    (the capture then stays attached between windows, saying why). The detach itself, and a
+    capture armed again after it, are checked on a GPU (``tests/system/test_cupti_gpu.py``)."""
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("a GPU driver is here: CUPTI would accept the subscription (the GPU test's case)")
+    with pytest.raises(native.NativeError, match=r"cuptiSubscribe returned \d+"):
+        reader.detach()
+    assert reader.detached() == 0

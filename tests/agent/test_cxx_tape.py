@@ -5,6 +5,7 @@ CUDA the fused kernel, launched through the driver (the GPU test below)."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,68 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
     finally:
         op_tape.uninstall()
     assert not native.state.failed, native.error()
+
+
+@pytest.mark.gpu
+def test_under_cupti_the_hook_marks_its_own_launches_and_a_refused_mark_turns_it_off(
+    tmp_path: Path, library: str
+) -> None:
+    """While CUPTI traces (``mark``), each CUDA call the hook records pushes the agent's id on
+    CUPTI's external correlation stack around the hook's own launches and pops it after, through
+    the functions Python gives (here ctypes stand-ins that count); a refused push turns the hook
+    off (``fast`` 0, ``mark_errors``), so the next call goes to the Python kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("gpu: no CUDA device")
+    from fsdp_replay.agent.fingerprint import fused
+
+    if not fused.available():
+        pytest.skip("no Triton: the hook leaves CUDA calls to Python")
+    calls: list[tuple[str, int, int]] = []
+    refuse = [False]
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint64)
+    def push(kind: int, ext: int) -> int:
+        calls.append(("push", kind, ext))
+        return 1 if refuse[0] else 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64))
+    def pop(kind: int, _last: Any) -> int:
+        calls.append(("pop", kind, 0))
+        return 0
+
+    rec, _events, native, op_tape = _recorder(tmp_path, library)
+    st = native.state
+    try:
+        x = torch.randn(512, 300, device="cuda")
+        st.fast = 0  # the Python kernel's call: compiles, then arms the hook (see the keep test)
+        torch.ops.fsdpr_cxx_tape_test.mix(x)
+        assert native.cuda, rec.native_note
+        rec.sync_native()
+        rec.drain_native()
+        st.mark_push = ctypes.cast(push, ctypes.c_void_p).value
+        st.mark_pop = ctypes.cast(pop, ctypes.c_void_p).value
+        st.mark_kind, st.mark_id, st.mark = 7, 1 << 63, 1
+        marks, calls_before = st.marks, st.calls
+        for _ in range(3):
+            torch.ops.fsdpr_cxx_tape_test.mix(x)
+        records = native.drain()
+        assert len(records) == 3 and st.calls == calls_before + 3 and st.marks == marks + 3
+        assert calls == [("push", 7, 1 << 63), ("pop", 7, 0)] * 3, calls
+        for r in records:
+            native.rows(r.slot, r.event)
+        refuse[0] = True
+        torch.ops.fsdpr_cxx_tape_test.mix(x)  # refused: this call's launches go unmarked, said so
+        assert st.mark_errors == 1 and st.fast == 0 and calls[-1] == ("push", 7, 1 << 63)
+        for r in native.drain():
+            native.rows(r.slot, r.event)
+        n = len(calls)
+        torch.ops.fsdpr_cxx_tape_test.mix(x)  # the Python kernel's now: no push from the hook
+        assert len(calls) == n and st.calls == calls_before + 4
+    finally:
+        st.mark = 0
+        st.mark_errors = 0
+        op_tape.uninstall()
+    assert not st.failed, native.error()
 
 
 def test_with_keep_a_cpu_call_goes_to_python_which_holds_cpu_outputs(tmp_path: Path, library: str) -> None:

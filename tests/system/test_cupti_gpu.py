@@ -1,6 +1,7 @@
 """On a CUDA device: the CUPTI capture (issue #13, items 1 and 2) against torch.profiler.
 
-(a) The example, recorded with ``--cupti always`` (one rank, deterministic), and the same workload
+(a) The example, recorded with ``--cupti always`` (one rank; deterministic, and with default kernels,
+whose nondeterministic calls the tape's C++ hook records and marks), and the same workload
 run unrecorded under torch.profiler (CUDA activities only, ``tests/workloads/cuda_profiled.py``):
 the kernels of each whole step, their number and their names in launch order, must be the same;
 copies must be there. (b) torch.profiler opened inside a recorded run: the profiler gets its
@@ -29,7 +30,7 @@ from fsdp_replay.trace.reader import RankTrace, Trace
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 WORKLOADS = Path(__file__).parents[1] / "workloads"
 STEPS = 5
-ARGS = ("--steps", str(STEPS), "--layers", "2", "--d-model", "128", "--seq-len", "64", "--deterministic")
+ARGS = ("--steps", str(STEPS), "--layers", "2", "--d-model", "128", "--seq-len", "64")
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +60,26 @@ def _demangler() -> Any:
     return demangle
 
 
+def _record(rec: Path, cupti: str, program: Path, *args: str, policy: tuple[str, ...] = ()) -> list[str]:
+    """``fsdp-replay record`` of ``program`` on one rank, with the ``--cupti`` policy given."""
+    return [
+        *CLI,
+        "record",
+        "--out",
+        str(rec),
+        "--cupti",
+        cupti,
+        *policy,
+        "--",
+        *torchrun_cmd(1, program, *args),
+    ]
+
+
+def _env(detach: bool = False, **extra: str) -> dict[str, str]:
+    """The recorded run's environment; ``detach``: CUPTI let go between windows."""
+    return child_env(**({"FSDP_REPLAY_CUPTI_DETACH": "1"} if detach else {}), **extra)
+
+
 def _ours(r: RankTrace) -> tuple[dict[int, list[str]], dict[int, int]]:
     k, c = r.table("kernels"), r.table("copies")
     names = r.names("kernel")
@@ -76,16 +97,31 @@ def _first_difference(a: list[str], b: list[str]) -> str:
     return f"first difference at launch {i}: ours {a[max(0, i - 2) : i + 3]} vs torch.profiler's {b[max(0, i - 2) : i + 3]}"
 
 
-def test_kernel_counts_and_order_per_step_match_torch_profiler(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("deterministic", "cupti"),
+    [(True, "always"), (False, "always"), (True, "steps:1,4")],
+    ids=["deterministic", "default-kernels", "windows-detached-between"],
+)
+def test_kernel_counts_and_order_per_step_match_torch_profiler(
+    tmp_path: Path, deterministic: bool, cupti: str
+) -> None:
+    """With default kernels the tape records nondeterministic calls, in its C++ hook while CUPTI
+    traces: the hook's fingerprint launches must be marked as the agent's and left out. With two
+    windows (steps 1 and 4) and ``FSDP_REPLAY_CUPTI_DETACH=1`` CUPTI is finalized after the first
+    (``cupti_detaches``) and set up anew for the second, whose kernels must be as whole and as
+    right as the first's (session 16's run found 99 of step 4's placed in step 1: correlation ids
+    start over after a finalize; ``Decoder.forget_launches``)."""
+    args = (*ARGS, "--deterministic") if deterministic else ARGS
+    # default kernels: no payloads stored, so the C++ hook (not the Python path) records the calls
+    policy = () if deterministic else ("--payloads", "none")
+    windows = cupti != "always"
+    captured = [1, 4] if windows else list(range(1, STEPS))
     rec = tmp_path / "rec"
-    proc = run(
-        [*CLI, "record", "--out", str(rec), "--cupti", "always", "--", *torchrun_cmd(1, EXAMPLE, *ARGS)],
-        env=child_env(),
-    )
+    proc = run(_record(rec, cupti, EXAMPLE, *args, policy=policy), env=_env(detach=windows))
     print(proc.stderr[-1500:])
     prof_out = tmp_path / "profiled"
     run(
-        torchrun_cmd(1, WORKLOADS / "cuda_profiled.py", str(EXAMPLE), *ARGS),
+        torchrun_cmd(1, WORKLOADS / "cuda_profiled.py", str(EXAMPLE), *args),
         env=child_env(COUNT_OUT=str(prof_out)),
     )
     theirs = json.loads((prof_out / "kernels-0.json").read_text())
@@ -109,8 +145,16 @@ def test_kernel_counts_and_order_per_step_match_torch_profiler(tmp_path: Path) -
     assert counters["cupti_errors"] == 0 and counters["cupti_dropped_error"] == 0
     assert counters["cupti_dropped_buffer"] == 0 and counters["cupti_dropped_incomplete"] == 0
     assert counters["cupti_agent_records"] > 0  # the agent's fingerprints ran on the GPU, and were left out
+    print("tape's C++ hook:", {k: v for k, v in counters.items() if k.startswith("tape_cxx")})
+    if not deterministic:  # taped calls recorded (and their launches marked) by the C++ hook
+        assert counters["tape_cxx_marked"] > 0 and counters["tape_cxx_mark_errors"] == 0, counters
+    if windows:  # armed, disarmed, finalized, armed again
+        assert detail.get("detach") == "between windows", detail
+        assert counters["cupti_detaches"] >= 1, counters
+        assert [s["step"] for s in states if s["state"] == "armed"] == [1, 4], states
+        assert sorted(ours) == captured, sorted(ours)
     demangle = _demangler()
-    for step in range(1, STEPS):  # whole steps: step 0 is never captured, the tail after the last is partial
+    for step in captured:  # whole steps: step 0 is never captured, the tail after the last is partial
         mine = [demangle(n) for n in ours.get(step, [])]
         raw = ours.get(step, [])
         kineto = theirs["kernels"].get(str(step), [])
@@ -120,7 +164,7 @@ def test_kernel_counts_and_order_per_step_match_torch_profiler(tmp_path: Path) -
         )
         same = [a == b or r_ == b for a, r_, b in zip(mine, raw, kineto, strict=True)]
         assert all(same), f"step {step}: kernel order differs; " + _first_difference(mine, kineto)
-    assert sum(our_copies.get(s, 0) for s in range(1, STEPS)) > 0, "no copies captured"
+    assert sum(our_copies.get(s, 0) for s in captured) > 0, "no copies captured"
     kinds = {schema.COPY_KINDS[x] for x in r.table("copies")["kind"].tolist()}
     print("copy kinds:", kinds)
     assert {"htod", "dtoh"} <= kinds  # the batches in, the logged loss out
@@ -128,30 +172,25 @@ def test_kernel_counts_and_order_per_step_match_torch_profiler(tmp_path: Path) -
     assert summary["kernels"] == len(r.table("kernels")) and summary["steps"][0] == 1
 
 
-def test_torch_profiler_inside_a_recorded_run_both_get_their_kernels(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("cupti", "detach"), [("always", False), ("steps:1,2,8,9", True)], ids=["always", "windows-detached"]
+)
+def test_torch_profiler_inside_a_recorded_run_both_get_their_kernels(
+    tmp_path: Path, cupti: str, detach: bool
+) -> None:
+    """torch.profiler opened at step 4 of a recorded run. With windows and the detach
+    (``FSDP_REPLAY_CUPTI_DETACH=1``), CUPTI was let go after the first window (steps 1-2) before
+    the profiler took it, and is set up anew for the second (steps 8-9)."""
     rec, profile_out = tmp_path / "rec", tmp_path / "profile.json"
     steps, first, last = 10, 4, 5
     proc = run(
-        [
-            *CLI,
-            "record",
-            "--out",
-            str(rec),
-            "--cupti",
-            "always",
-            "--",
-            *torchrun_cmd(
-                1,
-                WORKLOADS / "profiler_window.py",
-                "--steps",
-                str(steps),
-                "--profile-from",
-                str(first),
-                "--profile-to",
-                str(last),
-            ),
-        ],
-        env=child_env(PROFILE_OUT=str(profile_out)),
+        _record(
+            rec,
+            cupti,
+            WORKLOADS / "profiler_window.py",
+            *("--steps", str(steps), "--profile-from", str(first), "--profile-to", str(last)),
+        ),
+        env=_env(detach=detach, PROFILE_OUT=str(profile_out)),
     )
     theirs = json.loads(profile_out.read_text())
     r = Trace.open(rec / schema.TRACE_DIR).rank(0)
@@ -175,11 +214,14 @@ def test_torch_profiler_inside_a_recorded_run_both_get_their_kernels(tmp_path: P
     assert rearmed and rearmed[0]["step"] > last, states
     assert not [s for s in states if s["state"] in ("error", "lost")], states
     assert counters["cupti_pauses"] == 1 and counters["cupti_errors"] == 0
-    for step in (1, 2, 3):
+    before = (1, 2) if detach else (1, 2, 3)
+    for step in before:
         assert len(ours.get(step, [])) == steady, f"step {step} before the window: {len(ours.get(step, []))}"
     back = rearmed[0]["step"]
     assert back < steps, "the capture must be back before the run ends"
+    if detach:
+        assert counters["cupti_detaches"] >= 1 and back == 8, (counters, states)
     for step in range(back, steps):
         assert len(ours.get(step, [])) == steady, f"step {step} after the window: {len(ours.get(step, []))}"
-    for step in range(first + 1, back):
-        assert step not in ours, f"step {step} was captured while the profiler traced"
+    for step in range(before[-1] + 1 if detach else first + 1, back):
+        assert step not in ours, f"step {step} was captured outside a window or while the profiler traced"

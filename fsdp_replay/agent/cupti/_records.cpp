@@ -17,13 +17,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
 
-#define FSDPR_CUPTI_ABI 1
+#define FSDPR_CUPTI_ABI 2
 
 namespace {
 
@@ -31,6 +32,11 @@ typedef int (*GetNextRecord)(uint8_t*, size_t, void**);
 typedef void (*Requested)(uint8_t**, size_t*, size_t*);
 typedef void (*Completed)(void*, uint32_t, uint8_t*, size_t, size_t);
 typedef int (*RegisterCallbacks)(Requested, Completed);
+typedef void (*ApiCallback)(void*, int, uint32_t, const void*);
+typedef int (*Subscribe)(void**, ApiCallback, void*);
+typedef int (*EnableDomain)(uint32_t, void*, int);
+typedef int (*Unsubscribe)(void*);
+typedef int (*Finalize)();
 
 // The offsets of the fields we read, per record kind (fsdpr_cupti_init's `layout`, in this order).
 enum Field {
@@ -74,6 +80,25 @@ std::unordered_map<std::string, uint64_t> g_names;
 int g_discard = 0;  // 1: records are counted, not kept (another profiler owns CUPTI, or we stopped)
 int64_t g_buffers = 0, g_records = 0;
 char g_error[512] = "";
+// CUPTI's dynamic detach (fsdpr_cupti_detach): libcupti's functions, and where it stands.
+Subscribe g_subscribe = nullptr;
+EnableDomain g_enable_domain = nullptr;
+Unsubscribe g_unsubscribe = nullptr;
+Finalize g_finalize = nullptr;
+enum Detach { D_NONE = 0, D_REQUESTED = 1, D_RUNNING = 2, D_DONE = 3 };
+std::atomic<int> g_detach{D_NONE};  // or -(cuptiFinalize's error)
+constexpr int DOMAIN_DRIVER = 1, DOMAIN_RUNTIME = 2;  // CUpti_CallbackDomain
+constexpr int API_EXIT = 1;                           // CUpti_ApiCallbackSite
+
+// On the exit of any runtime or driver API call once a detach is requested (whichever thread
+// makes it first): cuptiFinalize, where CUPTI's documentation says it is safe to call.
+void detach_callback(void*, int, uint32_t, const void* data) {
+  if (data == nullptr || *(const int*)data != API_EXIT) return;  // CUpti_CallbackData.callbackSite
+  int expected = D_REQUESTED;
+  if (!g_detach.compare_exchange_strong(expected, D_RUNNING)) return;
+  int rc = g_finalize();
+  g_detach.store(rc == 0 ? D_DONE : -(rc > 0 ? rc : 1));
+}
 
 template <typename T>
 inline uint64_t field(const uint8_t* r, Field f) {
@@ -180,6 +205,11 @@ int fsdpr_cupti_init(const char* path, const int64_t* offsets, const uint32_t* k
     g_next = nullptr;
     return -1;
   }
+  // optional: without them fsdpr_cupti_detach says so
+  g_subscribe = (Subscribe)dlsym(lib, "cuptiSubscribe");
+  g_enable_domain = (EnableDomain)dlsym(lib, "cuptiEnableDomain");
+  g_unsubscribe = (Unsubscribe)dlsym(lib, "cuptiUnsubscribe");
+  g_finalize = (Finalize)dlsym(lib, "cuptiFinalize");
   std::lock_guard<std::mutex> lock(g_mu);
   // a fresh start: names are numbered from 0 for the decoder that reads this library's batches
   g_batch.clear(), g_taken.clear(), g_names.clear();
@@ -234,5 +264,46 @@ void fsdpr_cupti_copy(uint64_t* kernels, uint64_t* copies, uint64_t* api, uint64
 }
 
 const char* fsdpr_cupti_error() { return g_error; }
+
+// Ask for CUPTI's dynamic detach: a subscription to the runtime and driver API callbacks whose
+// first API exit (any thread's) calls cuptiFinalize, which ends CUPTI's interception of every CUDA
+// call (once CUPTI has traced, it stays in every call's path until then) and forgets every
+// setting: kinds, buffer callbacks, subscriptions. Activity can be enabled again afterwards, when
+// CUPTI initializes itself anew. The caller makes a CUDA call next and reads fsdpr_cupti_detached.
+// 0, or -1 (fsdpr_cupti_error says why: this libcupti lacks the calls, another client holds the
+// subscription).
+int fsdpr_cupti_detach() {
+  if (!g_subscribe || !g_enable_domain || !g_unsubscribe || !g_finalize) {
+    snprintf(g_error, sizeof g_error, "this libcupti lacks cuptiSubscribe/EnableDomain/Unsubscribe/Finalize");
+    return -1;
+  }
+  int state = g_detach.load();
+  if (state == D_REQUESTED || state == D_RUNNING) return 0;  // one is pending already
+  void* sub = nullptr;
+  int rc = g_subscribe(&sub, detach_callback, nullptr);
+  if (rc != 0) {
+    snprintf(g_error, sizeof g_error, "cuptiSubscribe returned %d", rc);
+    return -1;
+  }
+  g_detach.store(D_REQUESTED);
+  for (int domain : {DOMAIN_RUNTIME, DOMAIN_DRIVER}) {
+    rc = g_enable_domain(1, sub, domain);
+    if (rc != 0) {
+      int expected = D_REQUESTED;
+      if (g_detach.compare_exchange_strong(expected, D_NONE)) g_unsubscribe(sub);
+      snprintf(g_error, sizeof g_error, "cuptiEnableDomain(%d) returned %d", domain, rc);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+// Where the detach stands: 0 none asked, 1 asked (no API exit yet), 2 finalizing, 3 done (then
+// back to 0 for the next), or -(cuptiFinalize's error).
+int fsdpr_cupti_detached() {
+  int state = g_detach.load();
+  if (state == D_DONE) g_detach.store(D_NONE);
+  return state;
+}
 
 }  // extern "C"

@@ -16,7 +16,8 @@ launch them (the calls that launch nothing, which PyTorch makes around every op,
 ``EXTERNAL_CORRELATION`` record of that id (CUPTI makes those only for API records). The training
 thread keeps an id pushed that encodes its step, micro-step and collective sequence number
 (``records.ext_position``, replaced at each boundary); our hooks push ``records.AGENT_EXT_ID`` over
-it on whichever thread they run, so that the agent's own kernels are told apart.
+it on whichever thread they run, so that the agent's own kernels are told apart (the tape's C++
+hook too, through libcupti's functions whose addresses ``marking`` gives it).
 
 A window's records are flushed (``cuptiActivityFlushAll`` without forcing: completed records only)
 at the first step end after a CUDA event recorded where the window ended has completed, so its
@@ -51,6 +52,8 @@ from fsdp_replay.trace.schema import COPY_KIND_CODES
 log = logging.getLogger(__name__)
 
 NATIVE_ENV = "FSDP_REPLAY_CUPTI_NATIVE"  # 0: read CUPTI's buffers with cupti-python's callback
+DETACH_ENV = "FSDP_REPLAY_CUPTI_DETACH"  # 1: finalize CUPTI between windows (not yet the default)
+DETACH_WAIT_S = 1.0  # how long a step end waits for another thread's cuptiFinalize to end
 BUFFER_BYTES = 4 << 20  # per activity buffer, as Kineto's; CUPTI asks for more as they fill
 FLUSH_EVERY_STEPS = 8
 FINISH_WAIT_S = 2.0  # at the end, how long the last kernels get to complete before the flush
@@ -106,6 +109,7 @@ COUNTERS = (
     "cupti_steps_paused",  # steps of the window not captured: another profiler was tracing
     "cupti_pauses",
     "cupti_errors",
+    "cupti_detaches",  # times CUPTI was finalized after a window (its interception ended)
 )
 
 
@@ -163,8 +167,17 @@ class CuptiCapture:
         self._records_at_arm: dict[int, int] = {}
         self._broken: BaseException | None = None  # an error seen off the training thread
         self._warned = False
+        self._marking: tuple[int, int, int, int] | bool | None = None  # marking()'s, once known
+        self._detach_off = coexist.detach_unsafe(torch.version.cuda)  # why CUPTI stays attached, if it does
+        self._detach_pending = False  # a detach was asked for and not seen done yet
+        self._detached = False  # CUPTI was finalized after the last window: nothing to flush
         self.detail = self._inspect()
         self._native = self._load_native()
+        if self._native is None and not self._detach_off:
+            self._detach_off = "CUPTI's buffers are read in Python (the detach needs the native library)"
+        if not options.process_switch(DETACH_ENV, False):
+            self._detach_off = f"{DETACH_ENV} is not 1"
+        self.detail["detach"] = f"off: {self._detach_off}" if self._detach_off else "between windows"
         self.watch = coexist.ProfilerWatch(self.foreign_start)
         self.watch.install()
         step = state.pos.step
@@ -216,6 +229,26 @@ class CuptiCapture:
             log.info("fsdp-replay: CUPTI records read in Python (%s)", why)
             return None
         return reader
+
+    def marking(self) -> tuple[int, int, int, int] | None:
+        """What the tape's C++ hook needs to mark its own launches as the agent's, as our hooks
+        do (``cxx/_tape.cpp``: ``Mark``): the addresses of libcupti's external correlation push and
+        pop (of the libcupti cupti-python loaded), the kind we push on and the agent's id. None
+        where that libcupti is not known or lacks them: the hook then stays off while CUPTI traces,
+        and the Python kernel records the taped calls."""
+        if self._marking is None:
+            try:
+                lib = ctypes.CDLL(self.detail["libcupti"] or "")
+                push = ctypes.cast(lib.cuptiActivityPushExternalCorrelationId, ctypes.c_void_p).value
+                pop = ctypes.cast(lib.cuptiActivityPopExternalCorrelationId, ctypes.c_void_p).value
+                if not push or not pop:
+                    raise OSError("no address for the external correlation push or pop")
+                self._marking = (push, pop, self.kinds.ext_kind, records.AGENT_EXT_ID)
+            except (OSError, AttributeError) as e:
+                self._marking = False
+                self.detail["cxx_tape_marks"] = f"off: {e}"[:300]
+                log.info("fsdp-replay: the tape's C++ hook stays off while CUPTI traces: %s", e)
+        return self._marking if isinstance(self._marking, tuple) else None
 
     def _state(self, state: str, reason: str, step: int, **extra: Any) -> None:
         self.writer.event(
@@ -332,11 +365,14 @@ class CuptiCapture:
                 self._after_pause, self.paused = f"re-armed after {self.paused}", ""
             if not self.armed:
                 self._clear(self._tl)  # an id left here when a profiler made us stand aside elsewhere
+            want = self.policy.includes(step, self.snapshot_every)
             if self._flush_after is not None and self._flush_after.query():
                 self._flush_after = None
-                cupti.activity_flush_all(0)
+                detach = not want and self._detach_allowed()
+                cupti.activity_flush_all(1 if detach else 0)  # before a detach: whatever CUPTI holds
                 self._hand_over(self._flush_window, final=True)
-            want = self.policy.includes(step, self.snapshot_every)
+                if detach:
+                    self._detach()
             if want and not self.armed:
                 self._arm(step)
             elif self.armed and not want:
@@ -352,6 +388,7 @@ class CuptiCapture:
             self._fail("a step end", e)
 
     def _arm(self, step: int) -> None:
+        self._settle_detach()
         if not self._registered:
             if self._native is not None:
                 self._native.register()
@@ -360,9 +397,10 @@ class CuptiCapture:
                 cupti.activity_register_callbacks(self._requested, self._completed)
             self._registered = True
         first = self._window == 0
-        if first:
+        if first or self._detached:  # (a finalized CUPTI forgot it)
             with contextlib.suppress(Exception):  # thread ids as threading.get_native_id gives them
                 cupti.set_thread_id_type(int(cupti.ActivityThreadIdType.SYSTEM))
+        self._detached = False
         for kind in self._enabled:
             cupti.activity_enable(kind)
         quieted = self._quiet()
@@ -379,6 +417,57 @@ class CuptiCapture:
             self.detail["quiet_api_calls"] = quieted
         reason, self._after_pause = self._after_pause or f"--cupti {self.policy}", ""
         self._state("armed", reason, step, clock=clock, detail=self.detail if first else None)
+
+    # -- detaching between windows ----------------------------------------------------------------
+    def _detach_allowed(self) -> bool:
+        return (
+            self._native is not None
+            and not self._detach_off
+            and not self.policy.steps.everything
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _detach(self) -> None:
+        """A window's records are all handed over and none comes next step: end CUPTI's presence
+        in the process (``cuptiFinalize``). Once CUPTI has traced, every CUDA call of the process
+        goes through it until then (PyTorch measured 10-20% of a training step after a profiling
+        session, and made Kineto finalize CUPTI after each: pytorch/pytorch#146604). CUPTI's
+        documentation allows the call only from an API callback's exit: the native library
+        subscribes one, and a CUDA call of ours (a stream query) triggers it unless another
+        thread's does first. Before CUPTI is used again (an arm, a drain, the end) the detach
+        must be seen done (``_settle_detach``); the next arm sets CUPTI up anew."""
+        assert self._native is not None
+        try:
+            self._native.detach()
+        except native.NativeError as e:
+            self._detach_off = str(e)[:300]
+            log.info("fsdp-replay: CUPTI stays attached between capture windows: %s", e)
+            return
+        self._detach_pending = True
+        torch.cuda.current_stream().query()  # an API call's exit: the callback finalizes
+        self._settle_detach(wait_s=0.0)
+
+    def _settle_detach(self, wait_s: float = DETACH_WAIT_S) -> None:
+        """Whether the detach asked for has happened, waiting up to ``wait_s`` for it (another
+        thread may be finalizing); past the wait a pending detach is an error (the caller's)."""
+        deadline = time.monotonic() + wait_s
+        while self._detach_pending:
+            assert self._native is not None
+            state = self._native.detached()
+            if state == 3:
+                self._detach_pending, self._detached = False, True
+                self._registered = False  # CUPTI forgot our buffer callbacks, and every setting
+                self.counters["cupti_detaches"] += 1
+            elif state < 0:
+                self._detach_pending = False
+                raise RuntimeError(f"cuptiFinalize returned {-state}")
+            elif time.monotonic() >= deadline:
+                if wait_s > 0:
+                    raise RuntimeError(f"CUPTI's detach did not end within {wait_s}s (state {state})")
+                return
+            else:
+                torch.cuda.current_stream().query()  # no API exit seen yet: one more
+                time.sleep(0.001)
 
     def _quiet(self) -> int:
         """Switch off the records of ``QUIET_API`` (after the kinds: enabling them resets it)."""
@@ -411,9 +500,10 @@ class CuptiCapture:
         self._flush_after, self._flush_window = event, self._window
         self._state("disarmed", reason, step)
 
-    def _hand_over(self, window: int, final: bool = False, sync: bool = False) -> None:
+    def _hand_over(self, window: int, final: bool = False, sync: bool = False, whole: bool = False) -> None:
         """The records so far (with the marks) to the writer thread, which decodes them; ``final``
-        for the flush that ends ``window``."""
+        for the flush that ends ``window``; ``whole`` (and ``final``) when every launch so far has
+        its records in (the device was waited for): the decoder then lets the launches go."""
         batch: records.Batch | records.Arrays
         if self._native is not None:
             batch = self._native.take()
@@ -425,7 +515,7 @@ class CuptiCapture:
         with contextlib.suppress(Exception):  # the count is reset by each read (global buffers)
             cupti.activity_get_num_dropped_records(0, 0, ctypes.addressof(dropped))
             self.counters["cupti_dropped_buffer"] += int(dropped.value)
-        work = functools.partial(self._decode, batch, marks, window, final)
+        work = functools.partial(self._decode, batch, marks, window, final, final or whole)
         if sync:
             for _, ev in work():
                 self.writer.event(ev)
@@ -433,7 +523,12 @@ class CuptiCapture:
             self.writer.call(work)
 
     def _decode(
-        self, batch: records.Batch | records.Arrays, marks: records.Marks, window: int, final: bool
+        self,
+        batch: records.Batch | records.Arrays,
+        marks: records.Marks,
+        window: int,
+        final: bool,
+        whole: bool,
     ) -> list[tuple[str, Any]]:
         """Writer thread: rows and events; an error here loses the batch (counted), and stops
         the capture at the next step end."""
@@ -443,6 +538,8 @@ class CuptiCapture:
                 if batch.dropped:  # read while we stood aside or had stopped
                     c["cupti_dropped_error" if self.off else "cupti_dropped_subscriber"] += batch.dropped
                 decoded = self._decoder.decode(batch, marks)
+                if whole:
+                    self._decoder.forget_launches()
         except Exception as e:
             c["cupti_dropped_error"] += batch.records
             self._broken = self._broken or e
@@ -483,7 +580,8 @@ class CuptiCapture:
     def _pause(self, reason: str, step: int, drain: bool) -> None:
         if self.armed:
             self._disable()
-        if drain and self._window:
+        self._settle_detach()  # no CUPTI call of ours while it finalizes
+        if drain and self._window and not self._detached:
             self._drain()
         self.paused = reason
         self._registered = False  # the other profiler registers its own callbacks
@@ -498,7 +596,7 @@ class CuptiCapture:
         self._flush_after = None
         self._wait_for_device(FINISH_WAIT_S)
         cupti.activity_flush_all(1)
-        self._hand_over(self._window)
+        self._hand_over(self._window, whole=True)  # the other profiler may finalize CUPTI
 
     @staticmethod
     def _wait_for_device(timeout_s: float) -> None:
@@ -519,13 +617,18 @@ class CuptiCapture:
         try:
             if self.armed:
                 self._disable()
-            if not self.paused:
-                self._wait_for_device(FINISH_WAIT_S)
-                cupti.activity_flush_all(1)
-                # earlier hand-overs first, so that the end event's counters hold every batch
-                self.writer.flush(WRITER_WAIT_S)
-                self._flush_after = None
-                self._hand_over(self._window, final=True, sync=True)
+            self._settle_detach()
+            if self.paused:
+                return
+            if self._detached:  # the last window's records were all handed over before the detach
+                self.writer.flush(WRITER_WAIT_S)  # decoded, so that the end event's counters hold them
+                return
+            self._wait_for_device(FINISH_WAIT_S)
+            cupti.activity_flush_all(1)
+            # earlier hand-overs first, so that the end event's counters hold every batch
+            self.writer.flush(WRITER_WAIT_S)
+            self._flush_after = None
+            self._hand_over(self._window, final=True, sync=True)
         except Exception as e:
             self._fail("finishing", e)
 
@@ -541,8 +644,8 @@ class CuptiCapture:
                 self._disable()
         self.armed = False
         self.state.gpu = None
-        if first and self._window:  # what CUPTI still holds for us, before we stop taking it
-            with contextlib.suppress(Exception):
+        if first and self._window and not self._detached and not self._detach_pending:
+            with contextlib.suppress(Exception):  # what CUPTI still holds for us, before we stop
                 cupti.activity_flush_all(1)
                 self._hand_over(self._window)
         self.off = f"error in {where}: {exc!r}"[:500]

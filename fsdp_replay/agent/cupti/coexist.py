@@ -131,6 +131,19 @@ def multi_subscriber(cupti: Any, libcupti: int | None, driver: int | None) -> tu
     return True, "multi-subscriber"
 
 
+def detach_unsafe(cuda: str | None) -> str:
+    """Why CUPTI may not be finalized between capture windows with this CUDA (empty: it may):
+    before 12.6, CUDA graphs launched after a finalize could crash (PyTorch kept Kineto attached
+    there, pytorch/pytorch#146604)."""
+    try:
+        version = tuple(int(x) for x in (cuda or "").split(".")[:2])
+    except ValueError:
+        return f"CUDA version {cuda!r} not understood"
+    if len(version) < 2:
+        return f"CUDA version {cuda!r} not understood"
+    return "" if version >= (12, 6) else f"CUDA {cuda}: before 12.6 graphs could crash after a finalize"
+
+
 def probe_subscriber(cupti: Any) -> dict[str, Any]:
     """Subscribe to CUPTI and let go at once: ``{"probe": "ok" | "busy" | "error", "holder", ...}``.
     ``subscribe_v2`` (libcupti 13.2+) names the holder of a subscription that refuses ours."""

@@ -29,7 +29,7 @@ from fsdp_replay.agent.cupti import records
 from fsdp_replay.agent.cxx import kernel as builder
 
 SOURCE = Path(__file__).resolve().with_name("_records.cpp")
-ABI = 1  # FSDPR_CUPTI_ABI of the source this module is written for
+ABI = 2  # FSDPR_CUPTI_ABI of the source this module is written for
 MEMSET_CODE = 255  # the copy kind the library gives a memset
 # What the library reads, in its ``Field`` order: (record family, cupti-python's field, width).
 FIELDS: tuple[tuple[str, str, int], ...] = (
@@ -144,6 +144,16 @@ class NativeRecords:
         """Make the library's buffer callbacks CUPTI's (again, after another client's)."""
         if self.lib.fsdpr_cupti_register() != 0:
             raise NativeError(self.error())
+
+    def detach(self) -> None:
+        """Ask for CUPTI's dynamic detach (``cuptiFinalize`` at the next CUDA API call's exit);
+        ``detached`` says when it happened. Raises NativeError where it cannot be asked."""
+        if self.lib.fsdpr_cupti_detach() != 0:
+            raise NativeError(self.error())
+
+    def detached(self) -> int:
+        """0 none asked, 1 asked, 2 finalizing, 3 done (read once), or -(cuptiFinalize's error)."""
+        return int(self.lib.fsdpr_cupti_detached())
 
     def discard(self, on: bool) -> None:
         """While on, completed buffers are counted (``Arrays.dropped``), not kept."""

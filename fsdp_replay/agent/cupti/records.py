@@ -285,6 +285,14 @@ class Decoder:
             times.insert(i, ts)
             states.insert(i, on)
 
+    def forget_launches(self) -> None:
+        """A window ended and its last batch is decoded: every launch kept has had its kernels and
+        copies, so the launches (API and external correlation records) are let go. They must
+        be: once CUPTI is finalized (between windows, or by another profiler) correlation ids
+        start over, and a kept launch would claim a new window's kernel of the same id."""
+        self._api = [_EMPTY_API, _EMPTY_API]
+        self._ext = [_EMPTY_EXT, _EMPTY_EXT]
+
     def _prune(self) -> None:
         """Drop the marks before the oldest launch still kept (but the last one before it, which
         still says where that launch was)."""

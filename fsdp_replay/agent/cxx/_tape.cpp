@@ -42,7 +42,7 @@
 extern "C" int fsdpr_sk64_many(size_t n, const uint64_t *ptrs, const uint64_t *nbytes, const int32_t *kinds,
                                uint64_t *fps, uint8_t *nfs);
 
-#define FSDPR_TAPE_ABI 2
+#define FSDPR_TAPE_ABI 3
 #define FSDPR_MAXT 4
 #define FSDPR_MAXDIM 8
 #define FSDPR_SLOT_WORDS 16  // fused.py: MAX_TENSORS rows of (S, A, B, nonfinite)
@@ -69,6 +69,16 @@ struct fsdpr_tape_state {
   int64_t keep_dropped;  // calls whose outputs could not be (keep_limit, no pinned memory)
   int32_t keep;        // 1: keep CUDA outputs (only with fast)
   int32_t pad;
+  // While CUPTI traces (agent/cupti), what this hook launches for a CUDA call (the fingerprint,
+  // kept copies, clones) is the agent's own: it pushes `mark_id` on CUPTI's external correlation
+  // stack of `mark_kind` around it, through libcupti's functions whose addresses Python gives.
+  uint64_t mark_push;  // cuptiActivityPushExternalCorrelationId, or 0
+  uint64_t mark_pop;   // cuptiActivityPopExternalCorrelationId, or 0
+  uint64_t mark_id;
+  int32_t mark_kind;
+  int32_t mark;        // 1: push it (only while CUPTI is armed)
+  int64_t marks;       // calls whose launches were marked
+  int64_t mark_errors; // pushes or pops CUPTI refused (then the hook stops marking: fast = 0)
 };
 
 struct fsdpr_tape_tensor {
@@ -542,6 +552,34 @@ struct Depth {
   ~Depth() { --agent_depth; }
 };
 
+// The agent's id on CUPTI's external correlation stack of this thread while the hook launches its
+// own work for a call (state.mark), so that CUPTI's records of it are told from the program's. A
+// refused push or pop turns the hook off (state.fast = 0, counted in mark_errors): that call's
+// launches go unmarked, and from the next call on the Python kernel, which marks its work itself,
+// records every call.
+typedef int (*PushExt)(int kind, uint64_t id);
+typedef int (*PopExt)(int kind, uint64_t *last);
+struct Mark {
+  bool on = false;
+  explicit Mark(bool cuda) {
+    if (!cuda || !state.mark || !state.mark_push || !state.mark_pop) return;
+    if (((PushExt)state.mark_push)(state.mark_kind, state.mark_id) != 0) {
+      state.mark_errors++;
+      state.fast = 0;
+      return;
+    }
+    on = true;
+    state.marks++;
+  }
+  ~Mark() {
+    uint64_t last = 0;
+    if (on && ((PopExt)state.mark_pop)(state.mark_kind, &last) != 0) {
+      state.mark_errors++;
+      state.fast = 0;
+    }
+  }
+};
+
 // Record one call whose outputs are `outs` (the op already ran). Returns false on an internal
 // error (already said in state.error).
 void record(int32_t op, const std::vector<at::Tensor> &outs) {
@@ -660,6 +698,7 @@ struct TapeKernel final : public c10::OperatorKernel {
     int64_t t0 = thread_ns();
     try {
       Depth d;  // our own ops (clones, copies) are the agent's
+      Mark m(cuda);  // and so are their launches, to CUPTI
       size_t nret = handle.schema().returns().size();
       std::vector<at::Tensor> outs;
       for (size_t i = stack->size() - nret; i < stack->size(); ++i) collect((*stack)[i], outs);
