@@ -67,7 +67,17 @@ RESULTS_DIR = REPO / "bench" / "results"
 
 TARGET_CONFIG = "meta"
 # Configurations that measure CUDA capture: on the CPU they would measure nothing.
-CUDA_ONLY = frozenset({"meta-cupti", "meta-cupti-python", "torch-profiler", "meta-torchfp"})
+CUDA_ONLY = frozenset(
+    {
+        "meta-cupti",
+        "meta-cupti-python",
+        "torch-profiler",
+        "meta-torchfp",
+        "meta-nocupti",
+        "meta-detach",
+        "window4-nocupti",
+    }
+)
 TARGET_RATIO = 1.03
 TARGET_TEXT = "metadata + fingerprints within 3% of the unrecorded step time"
 NOISY_FRACTION = 0.05  # other processes using more than this share of the CPUs make a run noisy
@@ -127,6 +137,20 @@ CONFIGS: tuple[Config, ...] = (
         "metadata + fingerprints, without waiting for each step's records (weaker crash guarantee)",
     ),
     Config(
+        "meta-nocupti",
+        ("--payloads", "none", "--cupti", "off"),
+        "metadata + fingerprints, without CUPTI (--cupti off; the default captures step 1): what the "
+        "default capture window leaves in the steps after it",
+        reference="meta",
+    ),
+    Config(
+        "meta-detach",
+        ("--payloads", "none"),
+        "metadata + fingerprints, CUPTI finalized after its default window (FSDP_REPLAY_CUPTI_DETACH=1)",
+        env=("FSDP_REPLAY_CUPTI_DETACH=1",),
+        reference="meta",
+    ),
+    Config(
         "meta-python",
         ("--payloads", "none", "--no-cxx-kernel"),
         "metadata + fingerprints, every collective recorded by the Python kernels (no C++ kernel)",
@@ -137,6 +161,22 @@ CONFIGS: tuple[Config, ...] = (
         "the flight recorder: every step's payloads held in memory (the last 4 steps and a snapshot), "
         "none written by a run that ends well (the Python kernels: the C++ kernel keeps no payloads)",
         reference="meta-python",  # its own cost: over metadata-only with the same kernels
+        warmup=WINDOW_WARMUP,
+    ),
+    Config(
+        "window4-notapebytes",
+        ("--payloads", "window:4", "--tape-payloads", "none"),
+        "the flight recorder without the taped results' bytes (--tape-payloads none: their fingerprints "
+        "only): what keeping about 1 GB of them a step costs, against window4",
+        reference="meta-python",
+        warmup=WINDOW_WARMUP,
+    ),
+    Config(
+        "window4-nocupti",
+        ("--payloads", "window:4", "--cupti", "off"),
+        "the flight recorder without CUPTI (--cupti off): session 16's profile found libcupti in more "
+        "of the program's CUDA calls of a window4 run than of a metadata-only one, long after step 1's window",
+        reference="meta-python",
         warmup=WINDOW_WARMUP,
     ),
     Config(
@@ -541,7 +581,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"({p['workload_model']})",
         f"- {p['steps']} steps per run, the first {p['warmup_steps']} skipped{own_warmups(s, p)}; "
         f"{p['reps']} repetitions, configurations interleaved round-robin, order rotated every repetition"
-        + (" (QUICK smoke run: too few steps and repetitions to be trustworthy)" if p["quick"] else ""),
+        + (" (QUICK smoke run: too few steps and repetitions to be trustworthy)" if p["quick"] else "")
+        + (
+            f" (**PARTIAL**: {p['reps_done']} of {p['reps']} repetitions were done when these results "
+            "were last written; the run did not finish)"
+            if p.get("reps_done", p["reps"]) < p["reps"]
+            else ""
+        ),
         "",
         f"**Target**: {v['target']} -> **{v['result']}** "
         + (
@@ -743,6 +789,13 @@ def main(argv: list[str] | None = None) -> int:
         losses_identical = None
     total = len(configs) * reps
     done = 0
+
+    def save(reps_done: int) -> tuple[Path, Path, str]:
+        return write_results(
+            args, stem, configs, results, reps_done, reps, steps, warmup, train_args, started, load_before,
+            losses_identical,
+        )  # fmt: skip
+
     for rep in range(reps):
         k = rep % len(configs)
         order = configs[k:] + configs[:k]  # rotate: every configuration takes every position
@@ -792,9 +845,33 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(run_dir, ignore_errors=True)
             os.sync()  # the next run must not pay for this run's write-back
             time.sleep(args.cooldown)
+        if rep + 1 < reps:  # a run stopped by a time limit keeps its whole repetitions
+            save(rep + 1)
     if not args.keep and not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
+    md_path, json_path, md = save(reps)
+    print()
+    print(md)
+    print(f"bench: wrote {md_path} and {json_path}")
+    return 0
 
+
+def write_results(
+    args: argparse.Namespace,
+    stem: Path,
+    configs: list[Config],
+    results: list[RunResult],
+    reps_done: int,
+    reps: int,
+    steps: int,
+    warmup: int,
+    train_args: list[str],
+    started: float,
+    load_before: tuple[float, float, float],
+    losses_identical: bool | None,
+) -> tuple[Path, Path, str]:
+    """The results of the repetitions done so far, as JSON and Markdown next to ``stem``; a
+    partial write (``reps_done < reps``) says so, and the next one replaces it."""
     names = [c.name for c in configs]
     summary = summarize(results, names)
     defaults = example_defaults()
@@ -814,6 +891,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": steps,
             "warmup_steps": warmup,
             "reps": reps,
+            "reps_done": reps_done,
             "configs": {c.name: list(c.record_args) if c.record_args is not None else None for c in configs},
             "train_args": train_args,
             "workload_model": workload_model + (f"; plus {args.train_args}" if args.train_args else ""),
@@ -828,13 +906,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     stem.parent.mkdir(parents=True, exist_ok=True)
     md_path, json_path = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
-    json_path.write_text(json.dumps(doc, indent=2) + "\n")
     md = render_markdown(doc)
-    md_path.write_text(md)
-    print()
-    print(md)
-    print(f"bench: wrote {md_path} and {json_path}")
-    return 0
+    for path, text in ((json_path, json.dumps(doc, indent=2) + "\n"), (md_path, md)):
+        partial = path.with_name(path.name + ".writing")
+        partial.write_text(text)
+        partial.replace(path)  # whole or not at all, should the run be stopped now
+    return md_path, json_path, md
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ if [ "$PART" = tape ] || [ "$PART" = all ]; then
 fi
 if [ "$PART" = cupti ] || [ "$PART" = all ]; then
   python3 bench/bench_record.py --nproc 1 --device cuda --steps ${BENCH_STEPS:-30} --reps ${BENCH_REPS:-4} \
-    --configs ${CUPTI_BENCH_CONFIGS:-meta,meta-cupti,torch-profiler} --cooldown 0 \
+    --warmup-steps ${BENCH_WARMUP:-3} --configs ${CUPTI_BENCH_CONFIGS:-meta,meta-cupti,torch-profiler} --cooldown 0 \
     --train-args="${BENCH_TRAIN_ARGS:---d-model 1024 --layers 8 --heads 16 --seq-len 512 --batch-size 16 --vocab 8192 --workers 2}" \
     --results "$OUT/cupti_overhead_gpu" 2>&1 | tail -40 | tee "$OUT/bench-cupti.log"
 fi
