@@ -76,6 +76,7 @@ CUDA_ONLY = frozenset(
         "meta-nocupti",
         "meta-detach",
         "window4-nocupti",
+        "window4-smcopy",
     }
 )
 TARGET_RATIO = 1.03
@@ -177,6 +178,16 @@ CONFIGS: tuple[Config, ...] = (
         "the flight recorder without CUPTI (--cupti off): session 16's profile found libcupti in more "
         "of the program's CUDA calls of a window4 run than of a metadata-only one, long after step 1's window",
         reference="meta-python",
+        warmup=WINDOW_WARMUP,
+    ),
+    Config(
+        "window4-smcopy",
+        ("--payloads", "window:4"),
+        "the flight recorder as window4, its device-to-device copies on the program's stream made by a "
+        "kernel on the SMs (FSDP_REPLAY_SM_COPY=1) rather than a memcpy that may queue on a copy engine "
+        "behind the side stream's host copies (about 1 GB a step)",
+        reference="meta-python",
+        env=("FSDP_REPLAY_SM_COPY=1",),
         warmup=WINDOW_WARMUP,
     ),
     Config(

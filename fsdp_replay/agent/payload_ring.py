@@ -40,6 +40,8 @@ from typing import Any, Protocol
 
 import torch
 
+from fsdp_replay import options
+
 log = logging.getLogger(__name__)
 ALIGN = 256
 """Slot offsets are multiples of this (any dtype's alignment; the copy engines like it too)."""
@@ -101,6 +103,9 @@ class RingSpace:
     def live(self) -> int:
         with self._lock:
             return len(self._live)
+
+
+SM_COPY_ENV = "FSDP_REPLAY_SM_COPY"  # 1: device-to-device copies of payloads as a kernel on the SMs
 
 
 def pinned_bytes(nbytes: int) -> int:
@@ -227,6 +232,8 @@ class PayloadRings:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        # the device-to-device copies by a kernel on the SMs (PayloadRing's and the tape's C++ hook's)
+        self.sm_copy = options.process_switch(SM_COPY_ENV, False)
         self._rings: dict[int, PayloadRing] = {}
         self.error: str | None = None  # why the ring could not be made (then: the plain copy)
 
@@ -237,7 +244,7 @@ class PayloadRings:
         ring = self._rings.get(idx)
         if ring is None:
             try:
-                ring = self._rings[idx] = PayloadRing(torch.device("cuda", idx), self.capacity)
+                ring = self._rings[idx] = PayloadRing(torch.device("cuda", idx), self.capacity, self.sm_copy)
             except (RuntimeError, torch.OutOfMemoryError) as e:  # no memory for it: say so once, go on
                 self.error = f"{type(e).__name__}: {e}"[:300]
                 log.warning(

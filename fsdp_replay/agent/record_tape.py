@@ -159,6 +159,7 @@ class TapeRecorder:
         ns.small_limit = self.tensors.small_limit(step) if small else -1
         keep = store and self.tensors.flight is not None and self.tensors.rings.capacity > 0
         ns.keep, ns.keep_limit = int(keep), self.tensors.rings.capacity
+        ns.keep_sm = int(self.tensors.rings.sm_copy)
         marking = st.gpu.marking() if st.gpu is not None else None
         if marking is not None:
             ns.mark_push, ns.mark_pop, ns.mark_kind, ns.mark_id = marking

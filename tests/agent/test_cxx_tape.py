@@ -178,13 +178,16 @@ def test_taped_cuda_calls_are_fingerprinted_by_the_fused_kernel_launched_from_cx
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sm_copy", [0, 1], ids=["memcpy", "sm-copy"])
 def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
-    tmp_path: Path, library: str
+    tmp_path: Path, library: str, sm_copy: int
 ) -> None:
     """The flight recorder's steps (``keep``): the hook copies each CUDA output on the device
     and from there to pinned memory on a side stream; the bytes are the output's at the call even
     when the program writes it in place right after; past ``keep_limit`` bytes in flight a call's
-    outputs are not kept, and the record says so."""
+    outputs are not kept, and the record says so. With ``keep_sm`` (``FSDP_REPLAY_SM_COPY``) the
+    device copy is a kernel on the SMs where the bytes are whole aligned words, a memcpy where not
+    (a bfloat16 output of three elements)."""
     if not torch.cuda.is_available():
         pytest.skip("gpu: no CUDA device")
     from fsdp_replay.agent.fingerprint import fused
@@ -199,16 +202,18 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
         assert native.cuda, rec.native_note
         rec.sync_native()
         rec.drain_native()
-        native.state.keep, native.state.keep_limit = 1, 64 << 20
+        native.state.keep, native.state.keep_limit, native.state.keep_sm = 1, 64 << 20, sm_copy
+        native.state.small_limit = -1  # no output left to Python for its size (the 6 bytes below)
         kept, dropped = native.state.kept, native.state.keep_dropped  # the process's counters
         wants, outs = [], []
-        for i in range(4):
-            out = torch.ops.fsdpr_cxx_tape_test.mix(x[:, : 200 + i] * i)  # a strided input
+        inputs = [x[:, : 200 + i] * i for i in range(4)] + [x[:1, :3].bfloat16()]  # 6 bytes: not words
+        for inp in inputs:
+            out = torch.ops.fsdpr_cxx_tape_test.mix(inp)
             wants.append(out.clone())
             out.add_(1)  # in place, right after: the kept bytes are the call's
             outs.append(out)
         records = native.drain()
-        assert [r.kept for r in records] == [1, 1, 1, 1], [r.kept for r in records]
+        assert [r.kept for r in records] == [1] * 5, [r.kept for r in records]
         for r, want in zip(records, wants, strict=True):
             hosts, ready = native.kept(r.seq, r.ready)
             ready.synchronize()
@@ -221,7 +226,7 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
         torch.ops.fsdpr_cxx_tape_test.mix(x)
         (r,) = native.drain()
         native.rows(r.slot, r.event)
-        assert r.kept == 2 and native.state.keep_dropped == dropped + 1 and native.state.kept == kept + 4
+        assert r.kept == 2 and native.state.keep_dropped == dropped + 1 and native.state.kept == kept + 5
         torch.cuda.synchronize()
         native.state.keep_limit = 64 << 20
         torch.ops.fsdpr_cxx_tape_test.mix(x[:, :10])  # reaps the landed device copies first

@@ -15,6 +15,7 @@
 // dlsym (torch has loaded it): no CUDA headers are needed to build this.
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/bitwise_or.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,6 +26,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cstdint>
 #include <deque>
 #include <cstdio>
 #include <cstring>
@@ -42,7 +44,7 @@
 extern "C" int fsdpr_sk64_many(size_t n, const uint64_t *ptrs, const uint64_t *nbytes, const int32_t *kinds,
                                uint64_t *fps, uint8_t *nfs);
 
-#define FSDPR_TAPE_ABI 3
+#define FSDPR_TAPE_ABI 4
 #define FSDPR_MAXT 4
 #define FSDPR_MAXDIM 8
 #define FSDPR_SLOT_WORDS 16  // fused.py: MAX_TENSORS rows of (S, A, B, nonfinite)
@@ -68,7 +70,7 @@ struct fsdpr_tape_state {
   int64_t kept;        // calls whose outputs were kept
   int64_t keep_dropped;  // calls whose outputs could not be (keep_limit, no pinned memory)
   int32_t keep;        // 1: keep CUDA outputs (only with fast)
-  int32_t pad;
+  int32_t keep_sm;     // 1: the device copy as an elementwise kernel on the SMs, not a memcpy
   // While CUPTI traces (agent/cupti), what this hook launches for a CUDA call (the fingerprint,
   // kept copies, clones) is the agent's own: it pushes `mark_id` on CUPTI's external correlation
   // stack of `mark_kind` around it, through libcupti's functions whose addresses Python gives.
@@ -437,6 +439,23 @@ void reap_locked() {
   }
 }
 
+// `t`'s bytes into `c` (contiguous, as `t`) by an elementwise kernel, a bitwise OR with 0 over
+// 32-bit words (bit-exact whatever the dtype), rather than copy_'s memcpy, which may queue on a
+// copy engine behind the side stream's host copies (FSDP_REPLAY_SM_COPY; the payload ring's
+// sm_copy does the same in Python). False where the bytes are not whole aligned words: copy_ then.
+bool copy_on_sms(at::Tensor &c, const at::Tensor &t) {
+  const int64_t nbytes = t.numel() * (int64_t)t.element_size();
+  if (nbytes == 0 || nbytes % 4 != 0 || !t.is_contiguous() || (uintptr_t)t.data_ptr() % 4 != 0) return false;
+  try {
+    at::Tensor words = t.reshape({-1}).view(at::kByte).view(at::kInt);
+    at::Tensor out = c.view({-1}).view(at::kByte).view(at::kInt);
+    at::bitwise_or_out(out, words, at::Scalar(0));
+  } catch (const std::exception &) {  // a view the dtype does not allow: nothing launched yet
+    return false;
+  }
+  return true;
+}
+
 // Keep a call's CUDA outputs (see above): 1 kept (*ready is the host copies' event), 2 not kept.
 int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *ready_out) {
   int64_t total = 0;
@@ -464,7 +483,7 @@ int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *
   try {
     for (const at::Tensor &t : outs) {
       at::Tensor c = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
-      c.copy_(t);
+      if (!(state.keep_sm && copy_on_sms(c, t))) c.copy_(t);
       copies.push_back(std::move(c));
     }
     for (const at::Tensor &c : copies)

@@ -24,7 +24,7 @@ from fsdp_replay.agent.cxx import kernel as builder
 log = logging.getLogger(__name__)
 
 SOURCE = builder.HERE / "_tape.cpp"
-ABI = 3  # FSDPR_TAPE_ABI of the source this module is written for
+ABI = 4  # FSDPR_TAPE_ABI of the source this module is written for
 MAXT = 4
 MAXDIM = 8
 SLOT_WORDS = 16
@@ -54,7 +54,7 @@ class State(ctypes.Structure):
         ("kept", ctypes.c_int64),
         ("keep_dropped", ctypes.c_int64),
         ("keep", ctypes.c_int32),
-        ("pad", ctypes.c_int32),
+        ("keep_sm", ctypes.c_int32),
         ("mark_push", ctypes.c_uint64),
         ("mark_pop", ctypes.c_uint64),
         ("mark_id", ctypes.c_uint64),
