@@ -186,8 +186,9 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
     and from there to pinned memory on a side stream; the bytes are the output's at the call even
     when the program writes it in place right after; past ``keep_limit`` bytes in flight a call's
     outputs are not kept, and the record says so. With ``keep_sm`` (``FSDP_REPLAY_SM_COPY``) the
-    device copy is a kernel on the SMs where the bytes are whole aligned words, a memcpy where not
-    (a bfloat16 output of three elements)."""
+    device copy is a kernel on the SMs. An output that is not whole 32-bit words (a bfloat16 output
+    of three elements) is left to Python (deferred, its clone taken), as the fused fingerprint
+    kernel reads words."""
     if not torch.cuda.is_available():
         pytest.skip("gpu: no CUDA device")
     from fsdp_replay.agent.fingerprint import fused
@@ -213,7 +214,11 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
             out.add_(1)  # in place, right after: the kept bytes are the call's
             outs.append(out)
         records = native.drain()
-        assert [r.kept for r in records] == [1] * 5, [r.kept for r in records]
+        assert [r.kept for r in records] == [1] * 4 + [0], [r.kept for r in records]
+        odd = records.pop()
+        assert odd.slot == -1  # deferred: Python's, the bytes cloned at the call
+        (clone,) = native.take(odd.seq)
+        assert torch.equal(clone, wants.pop())
         for r, want in zip(records, wants, strict=True):
             hosts, ready = native.kept(r.seq, r.ready)
             ready.synchronize()
@@ -226,7 +231,7 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
         torch.ops.fsdpr_cxx_tape_test.mix(x)
         (r,) = native.drain()
         native.rows(r.slot, r.event)
-        assert r.kept == 2 and native.state.keep_dropped == dropped + 1 and native.state.kept == kept + 5
+        assert r.kept == 2 and native.state.keep_dropped == dropped + 1 and native.state.kept == kept + 4
         torch.cuda.synchronize()
         native.state.keep_limit = 64 << 20
         torch.ops.fsdpr_cxx_tape_test.mix(x[:, :10])  # reaps the landed device copies first
@@ -237,6 +242,52 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
     finally:
         op_tape.uninstall()
     assert not native.state.failed, native.error()
+
+
+_EXIT_WITH_KEPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import test_cxx_tape as t
+rec, _events, native, op_tape = t._recorder(t.Path(sys.argv[2]), sys.argv[3])
+x = torch.randn(512, 300, device="cuda")
+native.state.fast = 0
+torch.ops.fsdpr_cxx_tape_test.mix(x)
+rec.sync_native()
+rec.drain_native()
+native.state.keep, native.state.keep_limit = 1, 64 << 20
+for i in range(3):
+    torch.ops.fsdpr_cxx_tape_test.mix(x * i)
+torch.ops.fsdpr_cxx_tape_test.mix(x[:1, :3].bfloat16())  # deferred: a clone held
+assert native.state.kept == 3, native.state.kept
+sys.exit(3)  # the kept copies, the clone and the scratch still held: the process's end frees them
+"""
+
+
+@pytest.mark.gpu
+def test_a_process_that_exits_holding_kept_and_deferred_cuda_outputs_keeps_its_exit_status(
+    tmp_path: Path, library: str
+) -> None:
+    """The hook's tensors (kept copies, deferred clones, the fused kernel's scratch) are never
+    destroyed at the process's exit: freed after the CUDA context is gone they aborted the
+    process (134) and lost the program's own exit status."""
+    if not torch.cuda.is_available():
+        pytest.skip("gpu: no CUDA device")
+    from fsdp_replay.agent.fingerprint import fused
+
+    if not fused.available():
+        pytest.skip("no Triton: the hook leaves CUDA calls to Python")
+    import subprocess
+    import sys
+
+    here = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITH_KEPT, here, str(tmp_path), library],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "terminate called" not in done.stderr, done.stderr[-3000:]
 
 
 @pytest.mark.gpu

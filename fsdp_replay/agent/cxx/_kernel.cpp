@@ -83,7 +83,9 @@ enum Op { ALL_GATHER = 0, REDUCE_SCATTER = 1, ALL_REDUCE = 2 };
 fsdpr_state state = {0, 0, 0, 0, -1, 0, -1, 0, 0, 0, 0, 0, 0, {0}};
 std::mutex mu;  // records, groups; the kernel runs on whichever thread issues the collective
 std::vector<fsdpr_record> done;
-std::unordered_map<int64_t, c10::intrusive_ptr<c10d::ProcessGroup>> groups;
+// Never destroyed (as _tape.cpp's tensor holders): a process group or CUDA tensor freed after the
+// CUDA context or the communicators are gone at the process's exit aborts it.
+auto &groups = *new std::unordered_map<int64_t, c10::intrusive_ptr<c10d::ProcessGroup>>;
 torch::Library *installed = nullptr;
 
 struct Pending {
@@ -92,7 +94,7 @@ struct Pending {
   fsdpr_record rec;
   bool in_region;  // the input is inside the output (FSDP2): fingerprinted with it
 };
-std::vector<Pending> pending;  // deferred all-gathers, completed at the program's wait
+auto &pending = *new std::vector<Pending>;  // deferred all-gathers, completed at the program's wait
 
 int64_t now_ns() {
   timespec ts;

@@ -175,7 +175,10 @@ thread_local int agent_depth = 0;  // the agent's own work (tape.py: agent_work)
 
 std::mutex mu;  // records, deferred outputs, slots, events, scratch
 std::vector<fsdpr_tape_record> done;
-std::unordered_map<int64_t, std::vector<at::Tensor>> deferred_outputs;  // seq -> clones
+// Globals that hold tensors, events or streams are never destroyed: at the process's exit the
+// CUDA context may already be gone, and freeing a CUDA tensor then aborts the process (its exit
+// status lost: a failing run's most of all). The process's end frees them.
+auto &deferred_outputs = *new std::unordered_map<int64_t, std::vector<at::Tensor>>;  // seq -> clones
 
 // The fused fingerprint kernel (one device: the one it was compiled and checked on).
 struct FusedKernel {
@@ -186,10 +189,10 @@ struct FusedKernel {
   bool on = false;
 };
 FusedKernel fused;
-at::Tensor slab;  // pinned rows, FSDPR_SLOT_WORDS int64 a slot
+at::Tensor &slab = *new at::Tensor;  // pinned rows, FSDPR_SLOT_WORDS int64 a slot
 std::vector<int32_t> free_slots;
 std::vector<CUevent> free_events;
-std::map<std::pair<int, CUstream>, std::pair<at::Tensor, at::Tensor>> scratch;  // (acc, count) per stream
+auto &scratch = *new std::map<std::pair<int, CUstream>, std::pair<at::Tensor, at::Tensor>>;  // (acc, count) per stream
 
 int64_t thread_ns() {
   timespec ts;
@@ -407,10 +410,10 @@ struct Landing {
   std::vector<at::Tensor> copies;
   int64_t nbytes;
 };
-std::deque<Landing> landing;                                        // oldest first
-std::unordered_map<int64_t, std::vector<at::Tensor>> kept_outputs;  // seq -> pinned copies
+auto &landing = *new std::deque<Landing>;  // oldest first (never destroyed: see deferred_outputs)
+auto &kept_outputs = *new std::unordered_map<int64_t, std::vector<at::Tensor>>;  // seq -> pinned copies
 std::unordered_map<CUevent, int> event_refs;  // ready events: landing's reference, Python's
-std::map<int, c10::Stream> side_streams;
+auto &side_streams = *new std::map<int, c10::Stream>;
 
 CUevent take_event_locked() {
   CUevent ev = nullptr;
