@@ -49,6 +49,7 @@ def main() -> None:
     for thread, n in threads.most_common(6):
         print(f"- {n} {thread}")
     cum: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()  # where the samples were taken (self)
     total = 0
     for _, frames, n in rows:
         keys = [key(f) for f in frames]
@@ -60,8 +61,14 @@ def main() -> None:
         total += n
         for k in set(keys[inside[-1] :]):
             cum[k] += n
+        leaves[keys[-1]] += n
     print(f"\nsteady-state samples inside {args.within}: {total} (one-time work left out)")
     for k, n in cum.most_common(args.top):
+        print(f"- {n} {k}")
+    print(
+        "\nof them, by the innermost frame (self samples; `--within Engine::thread_main`: the autograd thread)"
+    )
+    for k, n in leaves.most_common(args.top):
         print(f"- {n} {k}")
 
 

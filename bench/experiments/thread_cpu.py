@@ -10,7 +10,8 @@ If the program's thread spends the rest running (its own code slower), its CPU t
 with the wall time; if it spends it waiting (the GIL, a synchronization), its CPU time a step
 does not, and its voluntary context switches a step rise. Per thread: name, CPU ms a step,
 voluntary and involuntary context switches a step (``/proc/self/task/*``; the program's thread's
-CPU also by ``time.thread_time_ns``, exact).
+CPU also by ``time.thread_time_ns``, exact), and the CUDA caching allocators' counts a step
+(device: cudaMalloc and frees, retries; pinned host: its allocations, ``torch.cuda.host_memory_stats``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.optim import optimizer as optim_module
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -70,6 +72,26 @@ def delta(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], steps: int
     return sorted(rows, key=lambda r: -r["cpu_ms_per_step"])
 
 
+def allocator_stats() -> dict[str, float]:
+    """The CUDA caching allocators' cumulative counts (device and pinned host): how often they
+    went to the driver (cudaMalloc / cudaHostAlloc and frees), retried, or synchronized. Empty
+    without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    out: dict[str, float] = {}
+    dev = torch.cuda.memory_stats()
+    for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams"):
+        if k in dev:
+            out[f"device.{k}"] = dev[k]
+    for k in ("allocation.all.allocated", "allocated_bytes.all.allocated", "segment.all.allocated"):
+        if k in dev:
+            out[f"device.{k}"] = dev[k]
+    for k, v in torch.cuda.host_memory_stats().items():
+        if isinstance(v, int | float) and ("num" in k or "allocations" in k or "time" in k):
+            out[f"host.{k}"] = v
+    return out
+
+
 def main() -> None:
     a, b = (int(x) for x in os.environ.get("THREADCPU_STEPS", "12-28").split("-"))
     out_file = Path(os.environ.get("THREADCPU_OUT", "thread_cpu.json"))
@@ -82,6 +104,7 @@ def main() -> None:
         if step in (a - 1, b):
             key = "start" if step == a - 1 else "end"
             marks[key] = (time.perf_counter(), time.thread_time_ns(), threading.get_native_id(), threads())
+            marks[key + "_alloc"] = allocator_stats()
 
     optim_module.register_optimizer_step_post_hook(after_step)
     script, *args = sys.argv[1:]
@@ -104,6 +127,11 @@ def main() -> None:
                     "main_thread": main_row,
                     "all_threads_cpu_ms_per_step": round(sum(r["cpu_ms_per_step"] for r in rows), 2),
                     "switch_interval_s": sys.getswitchinterval(),
+                    # the allocators' counts over the steps, per step (cudaMalloc, cudaHostAlloc...)
+                    "allocators_per_step": {
+                        k: round((v - marks["start_alloc"].get(k, 0)) / steps, 2)
+                        for k, v in marks["end_alloc"].items()
+                    },
                     "threads": rows,
                 }
                 out_file.write_text(json.dumps(doc, indent=1))
