@@ -301,6 +301,9 @@ class Recorder:
             out["tape_cxx_deferred"] = native.state.deferred
             out["tape_cxx_kept"] = native.state.kept
             out["tape_cxx_keep_dropped"] = native.state.keep_dropped
+            out["tape_cxx_host_allocs"] = native.state.host_allocs
+            out["tape_cxx_host_reuses"] = native.state.host_reuses
+            out["tape_cxx_host_bytes"] = native.state.host_bytes
             out["tape_cxx_marked"] = native.state.marks
             out["tape_cxx_mark_errors"] = native.state.mark_errors
         return out

@@ -244,6 +244,87 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
     assert not native.state.failed, native.error()
 
 
+@pytest.mark.gpu
+def test_kept_outputs_land_in_pooled_pinned_blocks_reused_only_once_let_go_and_copied(
+    tmp_path: Path, library: str
+) -> None:
+    """The kept outputs' pinned blocks come from the hook's own pool (torch's caching host
+    allocator made a new cudaHostAlloc for about one kept output in fifteen on the H200): a
+    block comes back when its tensor dies and is handed out again, with no new allocation, once
+    the copy into it is done; a block still held, or let go while its copy is still queued (the
+    program's stream held back by a sleep kernel), is not, and a new one is allocated."""
+    if not torch.cuda.is_available():
+        pytest.skip("gpu: no CUDA device")
+    from fsdp_replay.agent.fingerprint import fused
+
+    if not fused.available():
+        pytest.skip("no Triton: the hook leaves CUDA calls to Python")
+    rec, _events, native, op_tape = _recorder(tmp_path, library)
+    x = torch.randn(1024, 1000, device="cuda")  # 4,096,000 bytes: a 4 MiB block
+    block = 1 << 22
+
+    def keep(inp: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        out = torch.ops.fsdpr_cxx_tape_test.mix(inp)
+        want = out.clone()
+        (r,) = native.drain()
+        assert r.kept == 1, r.kept
+        native.rows(r.slot, r.event)
+        (host,), ready = native.kept(r.seq, r.ready)
+        return host, ready, want
+
+    def landed(host: torch.Tensor, ready: Any, want: torch.Tensor) -> bool:
+        ready.synchronize()
+        return bool(torch.equal(host.view(want.dtype).view(want.shape), want.cpu()))
+
+    try:
+        native.state.fast = 0  # the Python kernel's call first: compiles, then arms the hook
+        torch.ops.fsdpr_cxx_tape_test.mix(x)
+        assert native.cuda, rec.native_note
+        rec.sync_native()
+        rec.drain_native()
+        native.state.keep, native.state.keep_limit, native.state.small_limit = 1, 256 << 20, -1
+        allocs, reuses, nbytes = native.state.host_allocs, native.state.host_reuses, native.state.host_bytes
+        host, ready, want = keep(x)
+        assert host.is_pinned() and landed(host, ready, want)
+        assert native.state.host_allocs == allocs + 1 and native.state.host_bytes == nbytes + block
+        del host, ready  # let go, its copy done: the next keep of that size reuses it
+        host, ready, want = keep(x * 2)
+        assert landed(host, ready, want)
+        assert (native.state.host_allocs, native.state.host_reuses) == (allocs + 1, reuses + 1)
+        held = (host, ready, want)  # still held: the next keep needs a block of its own
+        host, ready, want = keep(x * 3)
+        assert landed(host, ready, want) and landed(*held)
+        assert native.state.host_allocs == allocs + 2 and native.state.host_bytes == nbytes + 2 * block
+        del held
+        torch.cuda.synchronize()
+        # both free now; hold the program's stream back so that a copy stays queued
+        torch.cuda._sleep(2_000_000_000)  # about a second of the GPU's clock
+        out = torch.ops.fsdpr_cxx_tape_test.mix(x * 4)
+        (r,) = native.drain()
+        (pending,), pending_ready = native.kept(r.seq, r.ready)
+        later = [(r.slot, r.event)]
+        assert r.kept == 1 and not pending_ready.query()
+        del host, ready, pending  # every block back; the one just taken still being copied into
+        assert native.state.host_reuses == reuses + 2  # the x * 4 keep reused one free block
+        out2 = torch.ops.fsdpr_cxx_tape_test.mix(x * 5)  # still behind the sleep
+        (r2,) = native.drain()
+        (host2,), ready2 = native.kept(r2.seq, r2.ready)
+        assert native.state.host_reuses == reuses + 3  # the other free block, not the pending one
+        out3 = torch.ops.fsdpr_cxx_tape_test.mix(x * 6)
+        (r3,) = native.drain()
+        (host3,), ready3 = native.kept(r3.seq, r3.ready)
+        assert not pending_ready.query(), "the sleep ended too soon for the test to mean anything"
+        assert native.state.host_allocs == allocs + 3  # the pending block was not handed out
+        assert landed(host2, ready2, out2) and landed(host3, ready3, out3)
+        pending_ready.synchronize()
+        for slot, event in [*later, (r2.slot, r2.event), (r3.slot, r3.event)]:
+            native.rows(slot, event)
+        del out
+    finally:
+        op_tape.uninstall()
+    assert not native.state.failed, native.error()
+
+
 _EXIT_WITH_KEPT = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])

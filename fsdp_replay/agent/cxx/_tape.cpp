@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/bitwise_or.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -44,7 +45,7 @@
 extern "C" int fsdpr_sk64_many(size_t n, const uint64_t *ptrs, const uint64_t *nbytes, const int32_t *kinds,
                                uint64_t *fps, uint8_t *nfs);
 
-#define FSDPR_TAPE_ABI 4
+#define FSDPR_TAPE_ABI 5
 #define FSDPR_MAXT 4
 #define FSDPR_MAXDIM 8
 #define FSDPR_SLOT_WORDS 16  // fused.py: MAX_TENSORS rows of (S, A, B, nonfinite)
@@ -81,6 +82,10 @@ struct fsdpr_tape_state {
   int32_t mark;        // 1: push it (only while CUPTI is armed)
   int64_t marks;       // calls whose launches were marked
   int64_t mark_errors; // pushes or pops CUPTI refused (then the hook stops marking: fast = 0)
+  // The pinned host blocks kept outputs land in (this library's pool: see "pinned host blocks").
+  int64_t host_allocs;  // blocks allocated (cuMemHostAlloc)
+  int64_t host_reuses;  // kept outputs that landed in a block the pool had already
+  int64_t host_bytes;   // the pool's pinned bytes, in use or free
 };
 
 struct fsdpr_tape_tensor {
@@ -135,6 +140,8 @@ struct Driver {
   CUresult (*ctx_set)(CUcontext) = nullptr;
   CUresult (*primary_retain)(CUcontext *, CUdevice) = nullptr;
   CUresult (*device_get)(CUdevice *, int) = nullptr;
+  CUresult (*host_alloc)(void **, size_t, unsigned) = nullptr;
+  CUresult (*memcpy_dtoh_async)(void *, uint64_t, size_t, CUstream) = nullptr;
   bool loaded = false;
 };
 Driver drv;
@@ -159,7 +166,8 @@ bool load_driver(std::string &why) {
             sym(lib, "cuEventDestroy_v2", drv.event_destroy) && sym(lib, "cuStreamIsCapturing", drv.is_capturing) &&
             sym(lib, "cuEventQuery", drv.event_query) && sym(lib, "cuStreamWaitEvent", drv.stream_wait_event) &&
             sym(lib, "cuCtxGetCurrent", drv.ctx_get) && sym(lib, "cuCtxSetCurrent", drv.ctx_set) &&
-            sym(lib, "cuDevicePrimaryCtxRetain", drv.primary_retain) && sym(lib, "cuDeviceGet", drv.device_get);
+            sym(lib, "cuDevicePrimaryCtxRetain", drv.primary_retain) && sym(lib, "cuDeviceGet", drv.device_get) &&
+            sym(lib, "cuMemHostAlloc", drv.host_alloc) && sym(lib, "cuMemcpyDtoHAsync_v2", drv.memcpy_dtoh_async);
   if (!ok) {
     why = "libcuda.so.1 lacks a driver function the tape uses";
     return false;
@@ -459,6 +467,79 @@ bool copy_on_sms(at::Tensor &c, const at::Tensor &t) {
   return true;
 }
 
+// -- pinned host blocks (the kept outputs' landing place) -----------------------------------------
+// Kept outputs land in pinned blocks of this library's own pool, not torch's caching host
+// allocator. Measured on the H200 (bench/results/gpu-session19): through torch's allocator, a
+// step of window:4 made 3.35 new cudaHostAlloc calls (27 ms of the autograd thread's CPU a step)
+// and its pinned memory grew by as many blocks every step: that allocator hands a freed block out
+// again only after its event is processed, in order, behind every older event of the process. A
+// block here is a power of two of bytes (what the flight recorder charges for it: payload_ring.py
+// pinned_bytes). It goes back to the pool when its tensor dies (the flight recorder let go of it)
+// and is handed out again once the copy into it is done: it holds a reference on its call's
+// ready event until then. The pool keeps what it allocated (as torch's allocator does): its peak
+// is the flight recorder's bound plus the hook's keep_limit; state.host_bytes says how much.
+struct HostBlock {
+  void *ptr;
+  int64_t size;     // bytes, a power of two
+  CUevent ready;    // the copy into it (one reference), or null: nothing was copied into it
+  bool lost;        // a copy into it may still be running and cannot be waited on: never reused
+};
+std::mutex host_mu;  // the pool's own (a block comes back from any thread; never taken with mu held
+                     // around code that frees tensors)
+auto &host_free = *new std::unordered_map<int64_t, std::vector<HostBlock *>>;  // size -> returned
+
+int64_t host_size(int64_t nbytes) {
+  int64_t size = 1;
+  while (size < nbytes) size <<= 1;
+  return size;
+}
+
+void unref_event_locked(CUevent ev);
+
+// A block of `size` bytes: a returned one whose copy is done, else a new one (nullptr: none).
+HostBlock *take_host_block(int64_t size) {
+  HostBlock *found = nullptr;
+  {
+    std::lock_guard<std::mutex> g(host_mu);
+    auto it = host_free.find(size);
+    if (it != host_free.end()) {
+      auto &list = it->second;
+      for (size_t i = list.size(); i-- > 0;) {
+        if (list[i]->ready == nullptr || drv.event_query(list[i]->ready) == 0) {
+          found = list[i];
+          list.erase(list.begin() + (std::ptrdiff_t)i);
+          break;
+        }
+      }
+    }
+  }
+  if (found != nullptr) {
+    std::lock_guard<std::mutex> g(mu);
+    if (found->ready != nullptr) unref_event_locked(found->ready);
+    found->ready = nullptr;
+    state.host_reuses++;
+    return found;
+  }
+  void *ptr = nullptr;
+  if (drv.host_alloc(&ptr, (size_t)size, 0) != 0 || ptr == nullptr) return nullptr;
+  std::lock_guard<std::mutex> g(mu);
+  state.host_allocs++;
+  state.host_bytes += size;
+  return new HostBlock{ptr, size, nullptr, false};
+}
+
+// `block`'s first `nbytes` as a uint8 tensor; its death gives the block back to the pool.
+at::Tensor host_tensor(HostBlock *block, int64_t nbytes) {
+  return at::from_blob(
+      block->ptr, {nbytes},
+      [block](void *) {
+        if (block->lost) return;  // a copy may still write it: left to it (never freed either)
+        std::lock_guard<std::mutex> g(host_mu);
+        host_free[block->size].push_back(block);
+      },
+      at::TensorOptions().dtype(at::kByte));
+}
+
 // Keep a call's CUDA outputs (see above): 1 kept (*ready is the host copies' event), 2 not kept.
 int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *ready_out) {
   int64_t total = 0;
@@ -475,6 +556,7 @@ int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *
   auto impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
   c10::Device device(c10::DeviceType::CUDA, (c10::DeviceIndex)fused.device);
   std::vector<at::Tensor> copies, hosts;
+  std::vector<HostBlock *> blocks;  // hosts' blocks (the empty outputs' have none)
   CUevent copied = nullptr, ready = nullptr;
   auto give_back = [&] {  // not kept after all: the reservation and any events taken go back
     std::lock_guard<std::mutex> g(mu);
@@ -489,10 +571,19 @@ int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *
       if (!(state.keep_sm && copy_on_sms(c, t))) c.copy_(t);
       copies.push_back(std::move(c));
     }
-    for (const at::Tensor &c : copies)
-      hosts.push_back(at::empty({c.numel() * (int64_t)c.element_size()},
-                                at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
-  } catch (const std::exception &) {  // no device or pinned memory: not kept, counted
+    for (const at::Tensor &c : copies) {
+      const int64_t nbytes = c.numel() * (int64_t)c.element_size();
+      if (nbytes == 0) {
+        hosts.push_back(at::empty({0}, at::TensorOptions().dtype(at::kByte)));
+        continue;
+      }
+      HostBlock *block = take_host_block(host_size(nbytes));
+      if (block == nullptr) throw std::runtime_error("no pinned host memory");
+      blocks.push_back(block);
+      hosts.push_back(host_tensor(block, nbytes));
+    }
+  } catch (const std::exception &) {  // no device or pinned memory: not kept, counted (the
+                                      // blocks taken go back as hosts dies: nothing copied yet)
     give_back();
     return 2;
   }
@@ -517,19 +608,22 @@ int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *
     give_back();
     return 2;
   }
-  c10::Stream previous = impl->exchangeStream(side);
-  try {
-    for (size_t i = 0; i < copies.size(); ++i)
-      if (hosts[i].numel()) hosts[i].copy_(copies[i].reshape({-1}).view(at::kByte), /*non_blocking=*/true);
-  } catch (...) {
-    impl->exchangeStream(previous);
-    throw;  // a failed copy launch: the recorder's error, said once (record's caller)
+  for (size_t i = 0; i < copies.size(); ++i) {
+    if (hosts[i].numel() == 0) continue;
+    if (drv.memcpy_dtoh_async(hosts[i].data_ptr(), (uint64_t)(uintptr_t)copies[i].data_ptr(),
+                              (size_t)hosts[i].numel(), side_handle) != 0) {
+      for (HostBlock *b : blocks) b->lost = true;  // copies already queued may write them later
+      throw std::runtime_error("cuMemcpyDtoHAsync failed (kept outputs)");  // the recorder's error
+    }
   }
-  impl->exchangeStream(previous);
-  if (drv.event_record(ready, side_handle) != 0) throw std::runtime_error("cuEventRecord failed (kept outputs)");
+  if (drv.event_record(ready, side_handle) != 0) {
+    for (HostBlock *b : blocks) b->lost = true;
+    throw std::runtime_error("cuEventRecord failed (kept outputs)");
+  }
   std::lock_guard<std::mutex> g(mu);
   free_events.push_back(copied);  // the side stream's wait is queued: the event may be recorded again
-  event_refs[ready] = 2;
+  for (HostBlock *b : blocks) b->ready = ready;  // reused once it has completed
+  event_refs[ready] = 2 + (int)blocks.size();  // landing's, Python's, each block's
   landing.push_back(Landing{ready, std::move(copies), total});
   kept_outputs[seq] = std::move(hosts);
   state.kept++;

@@ -24,7 +24,7 @@ from fsdp_replay.agent.cxx import kernel as builder
 log = logging.getLogger(__name__)
 
 SOURCE = builder.HERE / "_tape.cpp"
-ABI = 4  # FSDPR_TAPE_ABI of the source this module is written for
+ABI = 5  # FSDPR_TAPE_ABI of the source this module is written for
 MAXT = 4
 MAXDIM = 8
 SLOT_WORDS = 16
@@ -62,6 +62,9 @@ class State(ctypes.Structure):
         ("mark", ctypes.c_int32),
         ("marks", ctypes.c_int64),
         ("mark_errors", ctypes.c_int64),
+        ("host_allocs", ctypes.c_int64),
+        ("host_reuses", ctypes.c_int64),
+        ("host_bytes", ctypes.c_int64),
     ]
 
 
