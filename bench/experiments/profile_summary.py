@@ -28,9 +28,9 @@ def load(path: str) -> list[tuple[str, list[str], int]]:
             stack, _, n = line.rstrip().rpartition(" ")
             frames = stack.split(";")
             procs = [x for x in frames if x.startswith("process ")]
-            if not procs or "train_fsdp.py" not in procs[-1]:
+            if procs and "train_fsdp.py" not in procs[-1]:  # (`--pid` of the rank: no process frames)
                 continue
-            thread = next(x for x in frames if x.startswith("thread "))
+            thread = next((x for x in frames if x.startswith("thread ")), "thread ?")
             rows.append((thread, [x for x in frames if not x.startswith(("process ", "thread "))], int(n)))
     return rows
 
