@@ -76,6 +76,7 @@ CUDA_ONLY = frozenset(
         "meta-nocupti",
         "meta-detach",
         "window4-nocupti",
+        "window4-detach",
         "window4-smcopy",
     }
 )
@@ -178,6 +179,15 @@ CONFIGS: tuple[Config, ...] = (
         "the flight recorder without CUPTI (--cupti off): session 16's profile found libcupti in more "
         "of the program's CUDA calls of a window4 run than of a metadata-only one, long after step 1's window",
         reference="meta-python",
+        warmup=WINDOW_WARMUP,
+    ),
+    Config(
+        "window4-detach",
+        ("--payloads", "window:4"),
+        "the flight recorder as window4, CUPTI finalized after its default window "
+        "(FSDP_REPLAY_CUPTI_DETACH=1): its interception of every CUDA call ends with the window",
+        reference="meta-python",
+        env=("FSDP_REPLAY_CUPTI_DETACH=1",),
         warmup=WINDOW_WARMUP,
     ),
     Config(
