@@ -8,10 +8,10 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_call_archive.sh"
 gpu_setup
-timeout 120 python3 -m pytest -q -s -p no:cacheprovider -m gpu -o addopts="" --durations=0 \
+timeout 90 python3 -m pytest -q -s -p no:cacheprovider -m gpu -o addopts="" --durations=0 \
   tests/system/test_cupti_gpu.py -k "windows or inside" > "$R/gpu-tests.log" 2>&1
 echo "gpu tests exit: $? at ${SECONDS}s" >> "$R/gpu-tests.log"
-left=$((285 - SECONDS))
+left=$((240 - SECONDS))
 echo "bench limit ${left}s" > "$R/bench-limit.txt"
 BENCH_CONFIGS=meta-python,window4,window4-detach BENCH_REPS=3 BENCH_STEPS=24 BENCH_WARMUP=8 \
   OUT=$R timeout $left bash bench/gpu_suite.sh bench > "$R/suite-bench.log" 2>&1
