@@ -476,8 +476,10 @@ bool copy_on_sms(at::Tensor &c, const at::Tensor &t) {
 // block here is a power of two of bytes (what the flight recorder charges for it: payload_ring.py
 // pinned_bytes). It goes back to the pool when its tensor dies (the flight recorder let go of it)
 // and is handed out again once the copy into it is done: it holds a reference on its call's
-// ready event until then. The pool keeps what it allocated (as torch's allocator does): its peak
-// is the flight recorder's bound plus the hook's keep_limit; state.host_bytes says how much.
+// ready event until then. The pool keeps what it allocated (as torch's allocator does): its size
+// is the most that kept outputs ever held at once (the flight recorder's bound, charged at these
+// block sizes, plus the outputs not drained yet); blocks of a size no later output has stay
+// unused (not trimmed); state.host_bytes says how much.
 struct HostBlock {
   void *ptr;
   int64_t size;     // bytes, a power of two
