@@ -496,8 +496,6 @@ int64_t host_size(int64_t nbytes) {
   return size;
 }
 
-void unref_event_locked(CUevent ev);
-
 // A block of `size` bytes: a returned one whose copy is done, else a new one (nullptr: none).
 HostBlock *take_host_block(int64_t size) {
   HostBlock *found = nullptr;
