@@ -20,6 +20,7 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -608,6 +609,7 @@ int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *
     give_back();
     return 2;
   }
+  c10::DeviceGuard on_device(device);  // the driver's copies run in the current context (the side stream's)
   for (size_t i = 0; i < copies.size(); ++i) {
     if (hosts[i].numel() == 0) continue;
     if (drv.memcpy_dtoh_async(hosts[i].data_ptr(), (uint64_t)(uintptr_t)copies[i].data_ptr(),
