@@ -44,6 +44,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if not args.force:
         launch.check_script(meta, command, cwd, pairs, trace.rank(args.rank).attrs.get("modules"))
         launch.check_torch(meta)
+    _check_steps(trace, args)
     world = int(meta.get("world_size") or trace.world_size or 1)
     who = "all ranks" if args.all_ranks else f"rank {args.rank}"
     out = Path(args.report) if args.report else launch.report_dir(trace_url, who, args.from_step)
@@ -87,6 +88,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.all_ranks:
         return _finish_all_ranks(out, world, code, notes)
     return finish_report(out / REPORT_JSON, code, notes)
+
+
+def _check_steps(trace: Any, args: argparse.Namespace) -> None:
+    """Steps to verify that the record cannot give: said before anything starts (the agent checks
+    them again, for a replay started without this command)."""
+    if 0 <= args.to_step < args.from_step:
+        raise ConfigError(
+            f"--to-step {args.to_step} is before --from-step {args.from_step}: nothing to verify"
+        )
+    for r in trace.ranks if args.all_ranks else [args.rank]:
+        done = trace.rank(r).completeness
+        if done["complete"] and args.from_step > int(done["through_step"]):
+            raise ConfigError(
+                f"--from-step {args.from_step}: rank {r}'s record ends with step {done['through_step']}, "
+                "so there is nothing to verify from there"
+            )
 
 
 def _plan(trace: Any, args: argparse.Namespace) -> str:

@@ -30,7 +30,7 @@ from fsdp_replay.agent.config import StepSet
 from fsdp_replay.agent.entropy import EntropyReplay
 from fsdp_replay.agent.hooks import Hooks
 from fsdp_replay.agent.tape import OpTape
-from fsdp_replay.errors import ExitCode, FsdpReplayError, TraceIncompleteError
+from fsdp_replay.errors import ConfigError, ExitCode, FsdpReplayError, TraceIncompleteError
 from fsdp_replay.replayer import env_watch, feed, overlay, restore, verify
 from fsdp_replay.replayer.config import ReplayConfig
 from fsdp_replay.replayer.expected import RankRecord
@@ -90,6 +90,11 @@ class Replayer:
                 f"rank {self.rank}'s record is complete only through step {self.complete['through_step']} "
                 f"({'; '.join(self.complete['reasons'])}): nothing to verify from step {self.from_step}",
                 path=self.rec.rank_trace.where,
+            )
+        if not self.truncated and self.from_step > int(self.complete["through_step"]):
+            raise ConfigError(
+                f"rank {self.rank}'s record ends with step {self.complete['through_step']}: nothing to verify "
+                f"from step {self.from_step}"
             )
         damage = self.rec.attrs.get("damage") or []
         if damage:
@@ -476,6 +481,11 @@ class Replayer:
         if status in ("exit", "end"):
             reason = reason or "the program ended"
             status, code = self._final_status(check_complete=at_exit)
+            if status == "unverified":
+                reason = (
+                    f"nothing was compared with the record ({reason} at step {self.step}, before the first "
+                    "recorded collective or step the replay could check)"
+                )
             if status == "error":
                 reason = (
                     f"the replayed program raised {self.program_error} at step {self.step} after "
@@ -547,6 +557,8 @@ class Replayer:
                 )
             )
             return "diverged", EXIT_DIVERGED
+        if not self.verified_steps and not self.verified_colls:
+            return "unverified", EXIT_BAD_INPUT
         return "bit-exact", EXIT_OK
 
 

@@ -58,6 +58,11 @@ class ReplayConfig:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()}={getattr(self, name)} must be >= 0")
         if self.to_step < -1:
             raise ConfigError(f"{ENV_PREFIX}TO_STEP={self.to_step} must be >= -1")
+        if 0 <= self.to_step < self.from_step:
+            raise ConfigError(
+                f"{ENV_PREFIX}TO_STEP={self.to_step} is before {ENV_PREFIX}FROM_STEP={self.from_step}: "
+                "nothing would be verified"
+            )
 
     @property
     def enabled(self) -> bool:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import zarr
 from harness import CLI, EXAMPLE, REPO, child_env, record, run, torchrun_cmd
 
+from fsdp_replay.cli.launch import agent_env
+from fsdp_replay.replayer.config import ReplayConfig
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.reader import Trace
 
@@ -311,6 +314,26 @@ def test_replay_of_a_missing_rank_or_trace_is_a_clear_error(tmp_path: Path) -> N
     rec, _ = record(tmp_path, 2, "--steps", "1", *SMALL)
     proc = run([*CLI, "replay", str(rec), "--rank", "5"], check=False, cwd=REPO)
     assert proc.returncode == 3 and "rank 5 is not in this trace" in proc.stderr
+    # Steps the record cannot give are refused before the program starts: no report, no verdict.
+    for args, said in (
+        (("--from-step", "1"), "--from-step 1: rank 1's record ends with step 0"),
+        (("--from-step", "1", "--to-step", "0"), "--to-step 0 is before --from-step 1"),
+    ):
+        proc = run([*CLI, "replay", str(rec), "--rank", "1", *args], check=False, cwd=REPO)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
+        assert "BIT-EXACT" not in proc.stdout and not (rec / "replays").exists()
+    # The agent checks it again, for a replay started without the command: the program never runs.
+    report = tmp_path / "direct"
+    config = ReplayConfig(trace=str(rec / schema.TRACE_DIR), rank=1, from_step=1, report=str(report))
+    env = agent_env(report, config.to_env(), child_env(RANK="1", WORLD_SIZE="2"))
+    proc = run(
+        [sys.executable, str(EXAMPLE), "--cpu", "--steps", "1", *SMALL], env=env, check=False, cwd=REPO
+    )
+    assert proc.returncode == 3 and "step 0 loss" not in proc.stdout, (
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+    )
+    doc = json.loads((report / "report.json").read_text())
+    assert doc["status"] == "unusable" and "record ends with step 0" in doc["reason"], doc
 
 
 def test_all_rank_replay_verifies_a_trace_recorded_without_payloads(tmp_path: Path) -> None:

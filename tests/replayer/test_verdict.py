@@ -1,0 +1,41 @@
+"""The verdict a replay draws from what it compared: never BIT-EXACT over nothing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from fsdp_replay.errors import ExitCode
+from fsdp_replay.replayer.agent import Replayer
+from fsdp_replay.replayer.report import render_text
+
+
+def _replayer(steps: list[int], colls: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        divergences=[],
+        program_error=None,
+        verified_steps=steps,
+        verified_colls=colls,
+        seq=colls,
+        to_step=-1,
+        rec=SimpleNamespace(colls=[None] * colls),
+    )
+
+
+@pytest.mark.parametrize(
+    ("steps", "colls", "status", "code"),
+    [
+        ([], 0, "unverified", ExitCode.UNUSABLE),  # the record ended before anything to compare
+        ([], 3, "bit-exact", ExitCode.OK),  # step 0 incomplete, its first collectives matched
+        ([0, 1], 40, "bit-exact", ExitCode.OK),
+    ],
+)
+def test_the_status_follows_what_was_compared(steps: list[int], colls: int, status: str, code: int) -> None:
+    for check_complete in (False, True):
+        assert Replayer._final_status(_replayer(steps, colls), check_complete) == (status, code)  # type: ignore[arg-type]
+
+
+def test_an_unverified_replay_says_so_and_why() -> None:
+    text = render_text({"status": "unverified", "rank": 1, "reason": "nothing was compared with the record"})
+    assert text.startswith("rank 1: UNVERIFIED: nothing was compared") and "BIT-EXACT" not in text
