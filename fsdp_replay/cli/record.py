@@ -81,8 +81,12 @@ def cmd_record(args: argparse.Namespace) -> int:
         )
     out = Path(args.out or f"fsdp-replay-runs/{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     spool_dir = out / schema.SPOOL_DIR
-    if spool_dir.exists() and any(p.name != ATTACHED_DIR for p in spool_dir.iterdir()):
-        raise ConfigError(f"{out} already holds a recording; choose another --out (runs are never mixed)")
+    if (spool_dir.exists() and any(p.name != ATTACHED_DIR for p in spool_dir.iterdir())) or (
+        out / schema.TRACE_DIR
+    ).exists():
+        raise ConfigError(
+            f"{out} already holds a recording; choose another --out (runs are never mixed, nor written over)"
+        )
     # a run that recorded nothing there before left only its processes' attach markers: not theirs now
     shutil.rmtree(attached_dir(out), ignore_errors=True)
     config = RecordConfig(

@@ -9,6 +9,7 @@ them: it must not claim that no process imported torch with the agent.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,12 @@ def test_markers_beside_rank_spools_are_not_spools(tmp_path: Path) -> None:
     assert meta["ranks"] == [0, 1]
     again = run([*CLI, "record", "--out", str(out), "--", "true"], check=False)
     assert again.returncode == 2 and "already holds a recording" in again.stderr
+    # Once the trace is built and the spools gone (as `record` leaves a run), it is refused too,
+    # and run.json still describes the recorded command.
+    shutil.rmtree(spool_root)
+    again = run([*CLI, "record", "--out", str(out), "--", "true"], check=False)
+    assert again.returncode == 2 and "already holds a recording" in again.stderr
+    assert json.loads((out / "run.json").read_text())["command"][-1] == "2"
 
 
 def test_a_marker_that_cannot_be_written_never_raises(tmp_path: Path) -> None:
