@@ -167,12 +167,18 @@ class Reach:
         if not self.after_restore:
             return
         self.after_restore = False
-        if self.unverified_after_restore:
+        n = self.unverified_after_restore
+        if n:
             self.notes.append(
-                f"{self.unverified_after_restore} collectives the program made right after the snapshot was "
-                "restored, before its next batch or model call, carried values it had computed before the "
-                "snapshot (a logged loss, say): they got their recorded outputs and their inputs were not "
-                "checked"
+                (f"{n} collectives the program made" if n > 1 else "1 collective the program made")
+                + " right after the snapshot was restored, before its next batch or model call, carried values "
+                "it had computed before the snapshot (a logged loss, say): "
+                + (
+                    "they got their recorded outputs and their inputs were"
+                    if n > 1
+                    else "it got its recorded outputs and its inputs were"
+                )
+                + " not checked"
             )
 
     # -- a flight recorder's window --------------------------------------------------------
