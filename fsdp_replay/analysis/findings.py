@@ -172,7 +172,9 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
                 "ended",
                 PROBLEM,
                 f"rank {rank} did not finish recording (killed or crashed) after {r['steps']} steps",
-                f"fsdp-replay replay {q} --rank {rank}",
+                f"fsdp-replay replay {q} --rank {rank}"
+                if (r.get("payload_coverage") or {}).get("with_payload")
+                else f"fsdp-replay replay {q} --all-ranks  # no collective payloads: every rank again, live",
                 rank=rank,
                 step=max(r["steps"] - 1, 0),
             )
@@ -367,11 +369,19 @@ def flight_findings(per_rank: list[dict[str, Any]], q: str) -> list[dict[str, An
     }
     held = sorted(w for w in windows if w.startswith("window:"))
     if held and not out:
+        killed = [r["rank"] for r in per_rank if r.get("end") is None]
+        why = (
+            f"no failure it catches happened; rank{'s' if len(killed) > 1 else ''} "
+            f"{', '.join(map(str, killed))} ended without closing {'their' if len(killed) > 1 else 'its'} "
+            "record (a SIGKILL or the kernel's OOM killer leaves no time to write)"
+            if killed
+            else "no rank failed"
+        )
         out.append(
             finding(
                 "flight",
                 INFO,
-                f"the flight recorder ({held[0]}) wrote no payloads: no rank failed. A replay of one rank "
+                f"the flight recorder ({held[0]}) wrote no payloads: {why}. A replay of one rank "
                 "needs payloads; every rank can be replayed together with live collectives",
                 f"fsdp-replay replay {q} --all-ranks",
             )

@@ -44,16 +44,19 @@ def agent_env(
 
 
 def run_command(
-    command: Sequence[str], env: Mapping[str, str], cwd: str | None = None
+    command: Sequence[str], env: Mapping[str, str], cwd: str | None = None, orphan_note: str = ""
 ) -> tuple[int, dict[str, Any]]:
     """Run ``command`` in its own process group; forward SIGINT/SIGTERM; return (exit code, info).
 
     The exit code follows the shell's convention (128 + N when killed by signal N). A watchdog
     (``fsdp_replay.cli.watchdog``) stops the command's whole process tree if this process dies first.
+    ``orphan_note``: what the watchdog says after such a stop (where the data is).
     """
     t0 = time.time()
     watchdog = subprocess.Popen(
-        [sys.executable, "-m", "fsdp_replay.cli.watchdog"], stdin=subprocess.PIPE, start_new_session=True
+        [sys.executable, "-m", "fsdp_replay.cli.watchdog", *([orphan_note] if orphan_note else [])],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
     )
     assert watchdog.stdin is not None
     try:

@@ -115,7 +115,9 @@ def cmd_record(args: argparse.Namespace) -> int:
     print(f"fsdp-replay: recording into {out}", file=sys.stderr)
     run: dict[str, Any] = {"command": redact_argv(command), "exit_code": None, "fsdp_replay": __version__}
     _write_run(out, run)  # before the run too: a record process killed mid-run still leaves it
-    code, info = run_command(command, env)
+    code, info = run_command(
+        command, env, orphan_note=f"Its spools are kept: build the trace with `fsdp-replay collect {out}`"
+    )
     run.update(exit_code=code, **info)
     _write_run(out, run)
     if args.no_collect:

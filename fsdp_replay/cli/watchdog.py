@@ -49,7 +49,9 @@ def stop_tree(procs: Sequence[psutil.Process], grace_s: float = GRACE_S) -> list
     return [p.pid for p in alive]
 
 
-def watch(fd: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> int:
+def watch(fd: int, poll_s: float = POLL_S, grace_s: float = GRACE_S, note: str = "") -> int:
+    """Stop the job whose pid comes first on ``fd`` once ``fd`` closes without DONE; ``note``:
+    what to say after the stop (where the stopped job's data is)."""
     line = b""
     while not line.endswith(b"\n"):
         chunk = _read(fd, None)
@@ -74,8 +76,9 @@ def watch(fd: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> int:
         pids = stop_tree(list(seen.values()), grace_s)
         if pids:
             sys.stderr.write(
-                f"fsdp-replay: the fsdp-replay command died; stopped its job (pids {sorted(set(pids))}). "
-                "Its spools are kept: build the trace with `fsdp-replay collect RUN`\n"
+                f"fsdp-replay: the fsdp-replay command died; stopped its job (pids {sorted(set(pids))})."
+                + (f" {note}" if note else "")
+                + "\n"
             )
         return 0
 
@@ -90,7 +93,7 @@ def _read(fd: int, timeout: float | None) -> bytes | None:
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the pipe tells this process what to do
-    return watch(sys.stdin.fileno())
+    return watch(sys.stdin.fileno(), note=" ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from fsdp_replay.replayer.fsdp_frames import feeding_modules
 from fsdp_replay.replayer.key_check import KeyCheck
 from fsdp_replay.replayer.op_check import OpCheck
 from fsdp_replay.replayer.reach import Reach
-from fsdp_replay.replayer.report import Divergence, build_report
+from fsdp_replay.replayer.report import KIND_TEXT, Divergence, build_report
 from fsdp_replay.replayer.serve import BatchServer
 from fsdp_replay.replayer.tape import ReplayTape, attach_tape
 from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
@@ -453,7 +453,15 @@ class Replayer:
         self.divergences.append(d)
         # A live rank must not leave: its peers would wait for it in the next collective.
         if stop and (not self.live or unusable):
-            self.finish("unusable" if unusable else "diverged", EXIT_BAD_INPUT if unusable else EXIT_DIVERGED)
+            if unusable:
+                what = KIND_TEXT.get(d.kind, d.kind)
+                self.finish(
+                    "unusable",
+                    EXIT_BAD_INPUT,
+                    reason=f"{what} (step {d.step}): nothing after it can be checked",
+                )
+            else:
+                self.finish("diverged", EXIT_DIVERGED)
 
     def _progress(self, step: int) -> None:
         total = len(self.rec.steps) if self.to_step < 0 else self.to_step + 1

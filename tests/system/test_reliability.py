@@ -360,9 +360,10 @@ def test_killing_record_stops_the_job_it_started(tmp_path: Path) -> None:
     ]
     assert len(training_ranks(psutil.Process(proc.pid))) == 2
     os.killpg(proc.pid, signal.SIGKILL)  # record and everything in its process group
-    proc.communicate()  # drains and closes both pipes
+    _, err = proc.communicate()  # drains and closes both pipes (the watchdog's too)
     _gone, alive = psutil.wait_procs(job, timeout=60)
     assert not alive, [p.cmdline() for p in alive]
+    assert f"build the trace with `fsdp-replay collect {out}`" in err, err[-2000:]
     # the spools are kept, and the trace can be built from them
     collected = run([*CLI, "collect", str(out)], check=False)
     assert collected.returncode in (0, 3), collected.stderr
