@@ -17,6 +17,7 @@ from fsdp_replay.trace.layout import (
     REPLAY_PNG,
     REPORT_JSON,
     REPORT_TXT,
+    RUN_JSON,
     atomic_write,
     resolve_trace,
 )
@@ -48,6 +49,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     world = int(meta.get("world_size") or trace.world_size or 1)
     who = "all ranks" if args.all_ranks else f"rank {args.rank}"
     out = Path(args.report) if args.report else launch.report_dir(trace_url, who, args.from_step)
+    _check_report_dir(out, trace_url)
     out.mkdir(parents=True, exist_ok=True)
     config = ReplayConfig(
         trace=str(Path(trace_url).absolute()) if "://" not in trace_url else trace_url,
@@ -88,6 +90,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.all_ranks:
         return _finish_all_ranks(out, world, code, notes)
     return finish_report(out / REPORT_JSON, code, notes)
+
+
+def _check_report_dir(out: Path, trace_url: str) -> None:
+    """The replay writes its report, and the replayed program its files, into ``out``: never into
+    a trace or over a recording."""
+    where = out.resolve()
+    if "://" not in trace_url:
+        trace = Path(trace_url).resolve()
+        if where == trace or trace in where.parents:
+            raise ConfigError(f"--report {out} is inside the trace {trace_url}: choose a folder outside it")
+    if (
+        (where / schema.TRACE_DIR).exists()
+        or (where / schema.SPOOL_DIR).exists()
+        or (where / RUN_JSON).exists()
+    ):
+        raise ConfigError(
+            f"--report {out} holds a recording: choose another folder (a replay never writes over one)"
+        )
 
 
 def _check_steps(trace: Any, args: argparse.Namespace) -> None:

@@ -322,6 +322,17 @@ def test_replay_of_a_missing_rank_or_trace_is_a_clear_error(tmp_path: Path) -> N
         proc = run([*CLI, "replay", str(rec), "--rank", "1", *args], check=False, cwd=REPO)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
         assert "BIT-EXACT" not in proc.stdout and not (rec / "replays").exists()
+    # A report folder inside the trace or over a recording (where the program's writes would land too)
+    for report, said in (
+        (rec / schema.TRACE_DIR / "rank_00001", "is inside the trace"),
+        (rec, "holds a recording"),
+    ):
+        proc = run([*CLI, "replay", str(rec), "--rank", "1", "--report", str(report)], check=False, cwd=REPO)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
+    assert (
+        not (rec / "report.json").exists()
+        and not (rec / schema.TRACE_DIR / "rank_00001" / "report.json").exists()
+    )
     # The agent checks it again, for a replay started without the command: the program never runs.
     report = tmp_path / "direct"
     config = ReplayConfig(trace=str(rec / schema.TRACE_DIR), rank=1, from_step=1, report=str(report))
