@@ -47,3 +47,17 @@ def test_every_command_option_is_an_environment_variable() -> None:
             ):
                 bare.append(f"{name} {action.option_strings[-1]}")
     assert not bare, f"options without an environment variable: {bare}"
+
+
+def test_snapshots_come_every_n_steps_and_at_the_start_of_each_payload_range() -> None:
+    from fsdp_replay.agent.config import RecordConfig, StepSet
+
+    def steps(**kw: object) -> list[int]:
+        config = RecordConfig(out="x", **kw)  # type: ignore[arg-type]
+        return [s for s in range(1, 30) if config.snapshot_step(s)]
+
+    assert steps(snapshot_every=10) == [10, 20]
+    assert steps(snapshot_every=10, payloads=StepSet.parse("steps:6-8,15,22-")) == [6, 10, 15, 20, 22]
+    assert steps(payloads=StepSet.parse("steps:6-8")) == [6]
+    assert steps(payloads=StepSet.parse("all")) == []
+    assert steps(payloads=StepSet.parse("window:4")) == [4, 8, 12, 16, 20, 24, 28]

@@ -167,7 +167,7 @@ class RecordConfig:
     replay names the first op that computed another result from the same inputs."""
     snapshot_every: int = 0
     """Snapshot the rank's state every N steps (0: only at step 0; with ``window:N``: every N,
-    held in memory with the window)."""
+    held in memory with the window). With ``payloads=steps:A-B``, also at A (``snapshot_step``)."""
     sync_steps: bool = True
     """Wait at each step end until the step's records are written (crash consistency)."""
     max_pending_bytes: int = 1 << 30
@@ -236,6 +236,16 @@ class RecordConfig:
         """Steps between snapshots (0: only step 0's): ``snapshot_every``, or with a payload window
         the window's length, so that a snapshot at or before the window's start is always held."""
         return self.snapshot_every or self.payloads.window
+
+    def snapshot_step(self, step: int) -> bool:
+        """Whether the rank's state is snapshotted as ``step`` begins: every ``snapshot_interval``
+        steps, and at the first step of each range of ``--payloads steps:A-B``, so that a replay of
+        A..B needs the payloads of exactly those steps (from an earlier snapshot it would need the
+        steps' before A too)."""
+        every = self.snapshot_interval
+        if every and step % every == 0:
+            return True
+        return any(lo == step for lo, _hi in self.payloads.ranges)
 
     @property
     def enabled(self) -> bool:

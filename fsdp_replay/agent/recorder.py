@@ -441,8 +441,7 @@ class Recorder:
         step = st.pos.step
         st.payload_now = step in self.config.payloads
         self.states.write_rng(w, step, capture.rng_state())
-        every = self.config.snapshot_interval
-        if every and step % every == 0:
+        if self.config.snapshot_step(step):
             self._snapshot(opt)
         if self.flight is not None:
             self.flight.ring.advance(step)

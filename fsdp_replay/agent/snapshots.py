@@ -108,8 +108,7 @@ class StateRecorder:
         # themselves (~20 kB) only where a replay can restore them: process start, snapshot
         # steps, and the steps whose payloads are kept (with a payload window: held with the
         # snapshot, written with it on a failure).
-        every = self.config.snapshot_interval
-        snapshot_step = bool(every and step % every == 0)
+        snapshot_step = self.config.snapshot_step(step)
         flight = self.flight if step > 0 else None
         keep = step <= 0 or snapshot_step or (flight is None and step in self.config.payloads)
 

@@ -148,18 +148,31 @@ def findings(
                 "ok",
                 INFO,
                 f"every rank finished recording cleanly ({done}); no non-finite value, desync or hang",
-                (
-                    f"fsdp-replay replay {q} --rank {summary['per_rank'][0]['rank']}"
-                    if any(r.get("payload_bytes") for r in summary["per_rank"])
-                    else f"fsdp-replay replay {q} --all-ranks  # no payloads: every rank again, live"
-                )
-                if summary["per_rank"]
-                else None,
+                rank_replay(summary["per_rank"][0], q) if summary["per_rank"] else None,
             ),
         )
     order = {PROBLEM: 0, WARNING: 1, INFO: 2}
     out.sort(key=lambda f: (order[f["severity"]], f["step"] if f["step"] is not None else 1 << 62))
     return out
+
+
+def rank_replay(r: dict[str, Any], q: str) -> str:
+    """The replay of rank summary ``r`` that its payloads allow: alone over its first run of steps
+    whose every collective output is stored (from a snapshot at or before it), else every rank
+    again with live collectives."""
+    cov = r.get("payload_coverage") or {}
+    if not cov.get("outputs"):  # no collective output to answer: nothing needs a payload
+        return f"fsdp-replay replay {q} --rank {r['rank']}"
+    first = str(cov.get("steps", "none")).split(",")[0]
+    if first == "none":
+        return f"fsdp-replay replay {q} --all-ranks  # no step with every payload: every rank again, live"
+    lo, _, hi = first.partition("-")
+    cmd = f"fsdp-replay replay {q} --rank {r['rank']}"
+    if int(lo) > 0:
+        cmd += f" --from-step {lo}"
+    if int(hi or lo) < int(r.get("steps", 0)) - 1:
+        cmd += f" --to-step {hi or lo}"
+    return cmd
 
 
 def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
@@ -172,9 +185,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
                 "ended",
                 PROBLEM,
                 f"rank {rank} did not finish recording (killed or crashed) after {r['steps']} steps",
-                f"fsdp-replay replay {q} --rank {rank}"
-                if (r.get("payload_coverage") or {}).get("with_payload")
-                else f"fsdp-replay replay {q} --all-ranks  # no collective payloads: every rank again, live",
+                rank_replay(r, q),
                 rank=rank,
                 step=max(r["steps"] - 1, 0),
             )

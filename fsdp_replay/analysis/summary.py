@@ -47,7 +47,12 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
             bytes_by_op[ops[code]] = int(nbytes[mask].sum())
     outs = t["role"] == schema.ROLE_OUTPUT if n else np.zeros(0, dtype=bool)
     with_payload = outs & (t["payload"] >= 0) if n else outs
-    payload_steps = sorted(set(c["step"][t["coll"][with_payload]].tolist())) if n else []
+    # Steps where every collective output has its payload (what a single-rank replay needs), and
+    # steps with only some (the small tensors every step keeps, a window's dumped part)
+    some = set(c["step"][t["coll"][with_payload]].tolist()) if n else set()
+    lacking = set(c["step"][t["coll"][outs & ~with_payload]].tolist()) if n else set()
+    payload_steps = sorted(some - lacking)
+    partial_steps = sorted(some & lacking)
     losses = r.table("losses")["value"]
     end = r.attrs.get("end")
     meta = r.meta
@@ -63,6 +68,7 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
             "outputs": int(outs.sum()),
             "with_payload": int(with_payload.sum()),
             "steps": _ranges(payload_steps),
+            "partial_steps": _ranges(partial_steps),
         },
         "payload_bytes": int(r.payloads["nbytes"].sum()) if len(r.payloads) else 0,
         "tape": tape_summary(r),

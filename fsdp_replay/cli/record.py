@@ -337,8 +337,8 @@ def register(sub: Any) -> None:
         "--snapshot-every",
         kind="int",
         default=defaults.snapshot_every,
-        help="snapshot each rank's state every N steps; step 0 always (with --payloads window:N: every N "
-        "steps by default, held in memory)",
+        help="snapshot each rank's state every N steps; step 0 always, and the first step of each "
+        "--payloads steps: range (with --payloads window:N: every N steps by default, held in memory)",
     )
     env_option(
         r,

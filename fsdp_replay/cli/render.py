@@ -33,7 +33,8 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
 
     t = Table(
         title="ranks",
-        caption="local loss: what this rank passed to backward, per micro-batch (a program may print an average)",
+        caption="payload steps: every collective output stored (a single-rank replay needs them), part: only some; "
+        "local loss: what this rank passed to backward, per micro-batch (a program may print an average)",
     )
     for col in (
         "rank",
@@ -62,7 +63,8 @@ def print_summary(summary: dict[str, Any], *, verbose: bool = False, console: Co
             str(r["batches"]),
             ",".join(map(str, r["snapshots"])) or "-",
             f"{cov['with_payload']}/{cov['outputs']}",
-            cov["steps"],
+            cov["steps"]
+            + (f" (part: {cov['partial_steps']})" if cov.get("partial_steps", "none") != "none" else ""),
             _mb(r["payload_bytes"]),
             loss,
             end_s,

@@ -146,6 +146,11 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"rank {rank}: DIVERGED")
     else:
         lines.append(f"rank {rank}: {str(status).upper()}: {report.get('reason')}")
+        if steps and status == "unusable":
+            lines.append(
+                f"  before that, steps {span} matched the record ({report.get('collectives_verified', 0)} "
+                "collectives): no verdict is drawn past what the trace holds"
+            )
     if report.get("restored_snapshot") is not None:
         lines.append(f"  restored the snapshot of step {report['restored_snapshot']}")
     lines += _fast_forward_lines(report)

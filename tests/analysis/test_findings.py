@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_replay.analysis.findings import _rank_findings, flight_findings
+from fsdp_replay.analysis.findings import _rank_findings, flight_findings, rank_replay
 
 
 def _rank(rank: int, *, killed: bool, with_payload: int) -> dict[str, Any]:
@@ -12,22 +12,31 @@ def _rank(rank: int, *, killed: bool, with_payload: int) -> dict[str, Any]:
         "rank": rank,
         "steps": 48,
         "end": None if killed else {"reason": "exit"},
-        "payload_coverage": {"outputs": 969, "with_payload": with_payload, "steps": "none"},
+        "payload_coverage": {
+            "outputs": 969,
+            "with_payload": with_payload,
+            "steps": "0-47" if with_payload == 969 else "none",
+            "partial_steps": "0-47" if 0 < with_payload < 969 else "none",
+        },
         "environment": {"policy": {"payloads": "window:4"}},
         "flight_recorder": {"dumps": [], "unwritten": 1181},
     }
 
 
-def test_a_killed_rank_without_payloads_leads_to_the_all_rank_replay() -> None:
+def _ended(with_payload: int) -> dict[str, Any]:
     (ended,) = [
-        f for f in _rank_findings(_rank(1, killed=True, with_payload=0), "run") if f["kind"] == "ended"
+        f
+        for f in _rank_findings(_rank(1, killed=True, with_payload=with_payload), "run")
+        if f["kind"] == "ended"
     ]
-    assert "did not finish recording" in ended["message"]
-    assert ended["next"].startswith("fsdp-replay replay run --all-ranks")
-    (ended,) = [
-        f for f in _rank_findings(_rank(1, killed=True, with_payload=200), "run") if f["kind"] == "ended"
-    ]
-    assert ended["next"] == "fsdp-replay replay run --rank 1"
+    return ended
+
+
+def test_a_killed_rank_without_whole_payload_steps_leads_to_the_all_rank_replay() -> None:
+    assert "did not finish recording" in _ended(0)["message"]
+    assert _ended(0)["next"].startswith("fsdp-replay replay run --all-ranks")
+    assert _ended(200)["next"].startswith("fsdp-replay replay run --all-ranks")  # only some outputs a step
+    assert _ended(969)["next"] == "fsdp-replay replay run --rank 1"
 
 
 def test_a_flight_recorder_that_wrote_nothing_says_whether_a_rank_was_killed() -> None:
@@ -38,3 +47,16 @@ def test_a_flight_recorder_that_wrote_nothing_says_whether_a_rank_was_killed() -
     assert "no rank failed" not in note["message"] and note["next"] == "fsdp-replay replay run --all-ranks"
     (note,) = flight_findings([_rank(0, killed=False, with_payload=0)], "run")
     assert "wrote no payloads: no rank failed" in note["message"]
+
+
+def test_the_replay_offered_is_one_the_payloads_allow() -> None:
+    def offered(steps: str, outputs: int = 200, n: int = 10) -> str:
+        cov = {"outputs": outputs, "with_payload": 1, "steps": steps}
+        return rank_replay({"rank": 2, "steps": n, "payload_coverage": cov}, "run")
+
+    assert offered("0-10") == "fsdp-replay replay run --rank 2"
+    assert offered("6-8,10") == "fsdp-replay replay run --rank 2 --from-step 6 --to-step 8"
+    assert offered("0-3") == "fsdp-replay replay run --rank 2 --to-step 3"
+    assert offered("7") == "fsdp-replay replay run --rank 2 --from-step 7 --to-step 7"
+    assert offered("none").startswith("fsdp-replay replay run --all-ranks")
+    assert offered("none", outputs=0) == "fsdp-replay replay run --rank 2"  # no collectives to answer

@@ -306,6 +306,12 @@ def test_replay_needs_the_payloads_of_the_steps_it_verifies(tmp_path: Path) -> N
     first = doc["first_divergence"]
     assert first["kind"] == "payload_missing" and first["step"] == 2, out
     assert "needs the payloads" in out
+    # A payload range that starts later gets a snapshot of its own: its steps replay from it alone.
+    rec, _ = record(
+        tmp_path, 2, "--steps", "4", *SMALL, record_args=("--payloads", "steps:2-3"), name="later"
+    )
+    doc, out, _ = replay(rec, 1, "--from-step", "2", check_code=0)
+    assert doc["restored_snapshot"] == 2 and doc["verified_steps"] == [2, 3], out
 
 
 def test_replay_of_a_missing_rank_or_trace_is_a_clear_error(tmp_path: Path) -> None:

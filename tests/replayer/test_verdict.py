@@ -39,3 +39,18 @@ def test_the_status_follows_what_was_compared(steps: list[int], colls: int, stat
 def test_an_unverified_replay_says_so_and_why() -> None:
     text = render_text({"status": "unverified", "rank": 1, "reason": "nothing was compared with the record"})
     assert text.startswith("rank 1: UNVERIFIED: nothing was compared") and "BIT-EXACT" not in text
+
+
+def test_an_unusable_replay_says_what_matched_before_it_stopped() -> None:
+    report = {
+        "status": "unusable",
+        "rank": 1,
+        "reason": "a payload the replay needs is not in the trace (step 9): nothing after it can be checked",
+        "verified_steps": [6, 7, 8],
+        "collectives_verified": 59,
+    }
+    lines = render_text(report).splitlines()
+    assert lines[0].startswith("rank 1: UNUSABLE: a payload the replay needs")
+    assert lines[1] == (
+        "  before that, steps 6..8 matched the record (59 collectives): no verdict is drawn past what the trace holds"
+    )
