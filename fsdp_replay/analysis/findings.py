@@ -198,7 +198,7 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
                     PROBLEM,
                     f"rank {rank} ended with an uncaught exception after {r['steps']} steps: "
                     f"{str(end['exception']).strip().splitlines()[-1][:300]}",
-                    f"fsdp-replay replay {q} --rank {rank}",
+                    rank_replay(r, q),
                     rank=rank,
                     step=max(r["steps"] - 1, 0),
                 )
