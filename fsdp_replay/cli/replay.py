@@ -46,6 +46,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         launch.check_script(meta, command, cwd, pairs, trace.rank(args.rank).attrs.get("modules"))
         launch.check_torch(meta)
     _check_steps(trace, args)
+    _check_device(args.device)
     world = int(meta.get("world_size") or trace.world_size or 1)
     who = "all ranks" if args.all_ranks else f"rank {args.rank}"
     out = Path(args.report) if args.report else launch.report_dir(trace_url, who, args.from_step)
@@ -107,6 +108,24 @@ def _check_report_dir(out: Path, trace_url: str) -> None:
     ):
         raise ConfigError(
             f"--report {out} holds a recording: choose another folder (a replay never writes over one)"
+        )
+
+
+def _check_device(device: str | None) -> None:
+    """``--device``: cpu, cuda or cuda:N, and a GPU that is here (the program would otherwise
+    run somewhere else than asked, without saying so)."""
+    if not device or device == "cpu":
+        return
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ConfigError(f"--device {device}: use cpu, cuda or cuda:N")
+    import torch
+
+    count = torch.cuda.device_count()
+    if int(index or 0) >= count:
+        raise ConfigError(
+            f"--device {device}: this machine has {count} CUDA device{'s' if count != 1 else ''} visible"
+            + (" (CUDA_VISIBLE_DEVICES or no GPU)" if not count else "")
         )
 
 

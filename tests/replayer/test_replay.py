@@ -324,6 +324,8 @@ def test_replay_of_a_missing_rank_or_trace_is_a_clear_error(tmp_path: Path) -> N
     for args, said in (
         (("--from-step", "1"), "--from-step 1: rank 1's record ends with step 0"),
         (("--from-step", "1", "--to-step", "0"), "--to-step 0 is before --from-step 1"),
+        (("--device", "tpu"), "--device tpu: use cpu, cuda or cuda:N"),
+        (("--device", "cuda:99"), "--device cuda:99: this machine has"),
     ):
         proc = run([*CLI, "replay", str(rec), "--rank", "1", *args], check=False, cwd=REPO)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
