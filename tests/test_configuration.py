@@ -61,3 +61,14 @@ def test_snapshots_come_every_n_steps_and_at_the_start_of_each_payload_range() -
     assert steps(payloads=StepSet.parse("steps:6-8")) == [6]
     assert steps(payloads=StepSet.parse("all")) == []
     assert steps(payloads=StepSet.parse("window:4")) == [4, 8, 12, 16, 20, 24, 28]
+
+
+def test_negative_counts_are_refused_however_the_config_is_made() -> None:
+    import pytest
+
+    from fsdp_replay.agent.config import RecordConfig
+    from fsdp_replay.errors import ConfigError
+
+    for name in ("snapshot_every", "reserve_bytes", "payload_ring_bytes"):
+        with pytest.raises(ConfigError, match=f"FSDP_REPLAY_{name.upper()}=-3 must be >= 0"):
+            RecordConfig(out="x", **{name: -3})  # type: ignore[arg-type]

@@ -217,6 +217,9 @@ class RecordConfig:
             raise ConfigError(f"{ENV_PREFIX}MODE={self.mode!r}: a RecordConfig records")
         if not self.out:
             raise ConfigError(f"{ENV_PREFIX}OUT must name the run folder when {ENV_PREFIX}MODE=record")
+        for name in ("snapshot_every", "reserve_bytes", "payload_ring_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{ENV_PREFIX}{name.upper()}={getattr(self, name)} must be >= 0")
         if self.max_pending_bytes < 1:
             raise ConfigError(f"{ENV_PREFIX}MAX_PENDING_BYTES={self.max_pending_bytes} must be >= 1")
         if self.window_bytes < 0:

@@ -120,6 +120,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     )
     run.update(exit_code=code, **info)
     _write_run(out, run)
+    if info.get("error"):
+        print(f"fsdp-replay: {info['error']}", file=sys.stderr)
     if args.no_collect:
         return code
     if not spool.spool_ranks(spool_dir):

@@ -131,3 +131,8 @@ def test_record_of_a_command_without_torch_keeps_the_old_message(tmp_path: Path)
         env=child_env(),
     )
     assert proc.returncode == 3 and OLD_MESSAGE in proc.stderr
+
+
+def test_record_of_a_command_that_is_not_there_says_so(tmp_path: Path) -> None:
+    proc = run([*CLI, "record", "--out", str(tmp_path / "run"), "--", "no-such-command-xyz"], check=False)
+    assert proc.returncode == 127 and "command not found: no-such-command-xyz" in proc.stderr, proc.stderr
