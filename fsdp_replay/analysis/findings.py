@@ -74,8 +74,15 @@ def findings(
                 "nonfinite",
                 PROBLEM,
                 origin["message"],
-                f"fsdp-replay nan {q}; fsdp-replay replay {q} --rank {origin['rank']} --from-step {origin['step']} "
-                f"--to-step {origin['step']}",
+                f"fsdp-replay nan {q}; "
+                + replay_through(
+                    next(
+                        (r for r in summary["per_rank"] if r["rank"] == origin["rank"]),
+                        {"rank": origin["rank"]},
+                    ),
+                    int(origin["step"]),
+                    q,
+                ),
                 rank=origin["rank"],
                 step=origin["step"],
                 seq=origin.get("seq"),
@@ -154,6 +161,33 @@ def findings(
     order = {PROBLEM: 0, WARNING: 1, INFO: 2}
     out.sort(key=lambda f: (order[f["severity"]], f["step"] if f["step"] is not None else 1 << 62))
     return out
+
+
+def _whole_steps(r: dict[str, Any]) -> set[int] | None:
+    """The steps of rank summary ``r`` whose every collective output is stored; None when it has
+    no collective output (nothing needs a payload)."""
+    cov = r.get("payload_coverage") or {}
+    if not cov.get("outputs"):
+        return None
+    out: set[int] = set()
+    for part in str(cov.get("steps", "none")).split(","):
+        if part and part != "none":
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def replay_through(r: dict[str, Any], step: int, q: str) -> str:
+    """The replay that verifies ``step`` of rank summary ``r``: that rank alone when its payloads
+    cover the steps from its latest snapshot at or before ``step``, else every rank again, live."""
+    whole = _whole_steps(r)
+    start = max([int(s) for s in r.get("snapshots") or [] if int(s) <= step], default=0)
+    if whole is not None and not whole.issuperset(range(start, step + 1)):
+        return (
+            f"fsdp-replay replay {q} --all-ranks --to-step {step}  # the payloads of steps {start}..{step} "
+            "are not all stored: every rank again, live"
+        )
+    return f"fsdp-replay replay {q} --rank {r['rank']} --from-step {step} --to-step {step}"
 
 
 def rank_replay(r: dict[str, Any], q: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_replay.analysis.findings import _rank_findings, flight_findings, rank_replay
+from fsdp_replay.analysis.findings import _rank_findings, flight_findings, rank_replay, replay_through
 
 
 def _rank(rank: int, *, killed: bool, with_payload: int) -> dict[str, Any]:
@@ -60,3 +60,21 @@ def test_the_replay_offered_is_one_the_payloads_allow() -> None:
     assert offered("7") == "fsdp-replay replay run --rank 2 --from-step 7 --to-step 7"
     assert offered("none").startswith("fsdp-replay replay run --all-ranks")
     assert offered("none", outputs=0) == "fsdp-replay replay run --rank 2"  # no collectives to answer
+
+
+def test_the_replay_offered_for_a_nan_covers_its_step_from_a_snapshot() -> None:
+    def offered(steps: str, snapshots: list[int], outputs: int = 200) -> str:
+        cov = {"outputs": outputs, "with_payload": 1, "steps": steps}
+        return replay_through(
+            {"rank": 1, "steps": 20, "snapshots": snapshots, "payload_coverage": cov}, 12, "run"
+        )
+
+    alone = "fsdp-replay replay run --rank 1 --from-step 12 --to-step 12"
+    assert offered("0-19", [0]) == alone
+    assert offered("8-13", [8]) == alone  # a flight recorder's dump: its snapshot and steps
+    assert offered("10-13", [0, 10]) == alone
+    assert offered("10-13", [0, 8]).startswith(
+        "fsdp-replay replay run --all-ranks --to-step 12"
+    )  # 8, 9 missing
+    assert offered("none", [0]).startswith("fsdp-replay replay run --all-ranks --to-step 12")
+    assert offered("none", [0], outputs=0) == alone
