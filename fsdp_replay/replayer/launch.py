@@ -245,8 +245,17 @@ def replay_env(
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif device and device.startswith("cuda"):
-        env["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] or "0"
+        env["CUDA_VISIBLE_DEVICES"] = visible_device(device.partition(":")[2] or "0")
     return env
+
+
+def visible_device(index: str) -> str:
+    """``--device cuda:N``'s GPU as ``CUDA_VISIBLE_DEVICES`` names it: N counts the GPUs this
+    shell sees (``torch.cuda`` numbering), so under ``CUDA_VISIBLE_DEVICES=2,3`` cuda:1 is "3"."""
+    mine = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if mine and index.isdigit() and int(index) < len(mine):
+        return mine[int(index)]
+    return index
 
 
 def report_dir(trace_url: str, who: str, from_step: int) -> Path:

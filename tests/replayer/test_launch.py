@@ -96,3 +96,11 @@ def test_an_all_rank_replay_keeps_the_interpreters_options_for_the_interpreter()
     ]
     cmd = launch.all_ranks_command(["py", "-u", "-m", "pkg.train"], 4)
     assert cmd[-3:] == ["--nproc_per_node=4", "-m", "pkg.train"] and cmd[:2] == ["py", "-u"]
+
+
+def test_cuda_n_counts_the_gpus_this_shell_sees(shell: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert launch.replay_env(META, 1, 2, "cuda:1")["CUDA_VISIBLE_DEVICES"] == "3"
+    assert launch.replay_env(META, 1, 2, "cuda")["CUDA_VISIBLE_DEVICES"] == "2"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert launch.replay_env(META, 1, 2, "cuda:1")["CUDA_VISIBLE_DEVICES"] == "1"
