@@ -194,18 +194,19 @@ def rank_replay(r: dict[str, Any], q: str) -> str:
     """The replay of rank summary ``r`` that its payloads allow: alone over its first run of steps
     whose every collective output is stored (from a snapshot at or before it), else every rank
     again with live collectives."""
-    cov = r.get("payload_coverage") or {}
-    if not cov.get("outputs"):  # no collective output to answer: nothing needs a payload
-        return f"fsdp-replay replay {q} --rank {r['rank']}"
-    first = str(cov.get("steps", "none")).split(",")[0]
-    if first == "none":
-        return f"fsdp-replay replay {q} --all-ranks  # no step with every payload: every rank again, live"
-    lo, _, hi = first.partition("-")
+    whole = _whole_steps(r)
     cmd = f"fsdp-replay replay {q} --rank {r['rank']}"
-    if int(lo) > 0:
+    if whole is None:  # no collective output to answer: nothing needs a payload
+        return cmd
+    if not whole:
+        return f"fsdp-replay replay {q} --all-ranks  # no step with every payload: every rank again, live"
+    lo = hi = min(whole)
+    while hi + 1 in whole:
+        hi += 1
+    if lo > 0:
         cmd += f" --from-step {lo}"
-    if int(hi or lo) < int(r.get("steps", 0)) - 1:
-        cmd += f" --to-step {hi or lo}"
+    if hi < int(r.get("steps", 0)) - 1:
+        cmd += f" --to-step {hi}"
     return cmd
 
 
