@@ -117,6 +117,19 @@ def tail(proc: subprocess.CompletedProcess[str]) -> str:
     )
 
 
+# A gloo worker thread that frees a collective's work (and so drops a tensor's Python object) while
+# the interpreter is finalizing cannot take the GIL, unwinds, and aborts the process: pytorch/pytorch
+# issue 190489. The program has finished by then; FSDP2 and DDP keep the group's threads alive past
+# destroy_process_group. It hits the unrecorded run as well as the recorded one (1 in 5 to 1 in 20
+# runs of dcp_resume on this machine under the load of two side-by-side runs), so a run that ends so
+# is run again, once, and the test judges the second run.
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def aborted_at_exit(proc: subprocess.CompletedProcess[str]) -> bool:
+    return proc.returncode != 0 and TORCH_EXIT_ABORT in proc.stderr and "(SIGABRT)" in proc.stderr
+
+
 def step_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("step ") and " loss " in line]
 
@@ -168,12 +181,21 @@ class Lab:
             "--",
             *torchrun_cmd(NPROC, script, *w.args, "--save-params", str(run / "params-{rank}.pt")),
         ]
-        plain_proc, rec_proc = run_side_by_side(
-            [
-                (plain_cmd, home / "plain-cwd", base / "plain-log"),
-                (rec_cmd, home / "rec-cwd", base / "rec-log"),
-            ]
-        )
+        jobs = [
+            (plain_cmd, home / "plain-cwd", base / "plain-log"),
+            (rec_cmd, home / "rec-cwd", base / "rec-log"),
+        ]
+        procs = run_side_by_side(jobs)
+        for i, outputs in enumerate((plain, run)):
+            if aborted_at_exit(procs[i]):  # torch's, not ours: run that command again, alone, once
+                print(
+                    f"{name}: {' '.join(jobs[i][0][:3])}... hit torch's gloo abort at exit; running it again"
+                )
+                shutil.rmtree(outputs, ignore_errors=True)
+                (procs[i],) = run_side_by_side(
+                    [(jobs[i][0], jobs[i][1], jobs[i][2].with_name(jobs[i][2].name + "-again"))]
+                )
+        plain_proc, rec_proc = procs
         assert plain_proc.returncode == 0, tail(plain_proc)
         assert rec_proc.returncode == 0, tail(rec_proc)
         params = base / "rec-params"
