@@ -72,3 +72,14 @@ def test_negative_counts_are_refused_however_the_config_is_made() -> None:
     for name in ("snapshot_every", "reserve_bytes", "payload_ring_bytes"):
         with pytest.raises(ConfigError, match=f"FSDP_REPLAY_{name.upper()}=-3 must be >= 0"):
             RecordConfig(out="x", **{name: -3})  # type: ignore[arg-type]
+
+
+def test_a_payload_range_is_kept_through_the_end_of_its_unbroken_run() -> None:
+    """Where a replay from a step finds the record's payloads ending (replayer/reach.py)."""
+    from fsdp_replay.agent.config import StepSet
+
+    spec = StepSet.parse("steps:2-3,4-6,9,12-")
+    assert [spec.kept_through(s) for s in (2, 5, 7, 9, 12)] == [6, 6, 6, 9, None]
+    assert spec.kept_through(0) == -1  # not kept: the run ends before it
+    assert StepSet.parse("all").kept_through(5) is None and StepSet.parse("window:3").kept_through(5) is None
+    assert StepSet.parse("none").kept_through(0) == -1

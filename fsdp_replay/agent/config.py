@@ -40,6 +40,21 @@ class StepSet:
     def empty(self) -> bool:
         return not self.everything and not self.ranges and not self.window
 
+    def kept_through(self, step: int) -> int | None:
+        """The last step of the unbroken run of steps in the set that starts at ``step``
+        (``step - 1`` when ``step`` is not in it); None when that run has no end (all, a window,
+        an open range)."""
+        if self.everything or self.window:
+            return None
+        end = step - 1
+        while True:
+            reach = [hi for lo, hi in self.ranges if lo <= end + 1 and (hi is None or hi >= end + 1)]
+            if not reach:
+                return end
+            if None in reach:
+                return None
+            end = max(h for h in reach if h is not None)
+
     @classmethod
     def parse(cls, spec: str) -> StepSet:
         """``none`` | ``all`` | ``steps:SPEC`` (or a bare SPEC) | ``window:N``."""

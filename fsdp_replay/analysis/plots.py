@@ -9,6 +9,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+# what a plot may be written as (matplotlib picks the format by the file name)
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
 
 def plot_drift(result: dict[str, Any], path_png: str) -> str:
     """Draw, per rank and step, the number of differing parameter fingerprints and |loss_a - loss_b|."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_replay.cli.render import console, dump_json, escape
 from fsdp_replay.errors import ExitCode
 from fsdp_replay.options import env_option
-from fsdp_replay.trace.layout import resolve_trace
+from fsdp_replay.trace.layout import output_file, resolve_trace
 
 if TYPE_CHECKING:
     from fsdp_replay.trace.reader import Trace
@@ -154,8 +154,10 @@ def _event_lines(ev: dict[str, Any]) -> list[str]:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from fsdp_replay.analysis.diff import diff_traces
-    from fsdp_replay.analysis.plots import plot_drift
+    from fsdp_replay.analysis.plots import PLOT_SUFFIXES, plot_drift
 
+    if args.plot:
+        output_file(args.plot, "--plot", (args.trace_a, args.trace_b), PLOT_SUFFIXES)
     a, b = _open(args.trace_a), _open(args.trace_b)
     res = diff_traces(a, b, [args.rank] if args.rank is not None else None)
     if args.plot:
@@ -226,6 +228,6 @@ def register(subparsers: Any) -> None:
     f.add_argument("trace_a", metavar="TRACE_A", help="a trace (or run folder)")
     f.add_argument("trace_b", metavar="TRACE_B", help="a trace (or run folder)")
     env_option(f, "--rank", kind="int", help="only this rank")
-    env_option(f, "--plot", metavar="PNG", help="draw the per-step drift into this PNG")
+    env_option(f, "--plot", metavar="PNG", help="draw the per-step drift into this PNG (or .svg, .pdf)")
     env_option(f, "--json", kind="flag", help="machine-readable output")
     f.set_defaults(func=cmd_diff)

@@ -21,7 +21,7 @@ from typing import Any
 
 from fsdp_replay.errors import ConfigError, ExitCode, TraceNotFoundError
 from fsdp_replay.options import env_option
-from fsdp_replay.trace.layout import atomic_write, resolve_trace
+from fsdp_replay.trace.layout import atomic_write, output_file, resolve_trace
 
 # torch's own snapshot pickles (Python <= 3.13's default); memory_viz's unpickler reads it
 SNAPSHOT_PICKLE_PROTOCOL = 4
@@ -34,6 +34,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError("give the file to write with -o FILE")
     from fsdp_replay.trace.reader import Trace
 
+    output_file(
+        args.output,
+        "-o",
+        (args.perfetto or args.memory_snapshot,),
+        (".json", ".json.gz") if args.perfetto else (),
+    )
     if args.perfetto:
         from fsdp_replay.analysis.perfetto import export
 

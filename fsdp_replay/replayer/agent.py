@@ -109,10 +109,12 @@ class Replayer:
             self.rec,
             self.rank,
             self.restore_step,
+            (self.from_step, self.to_step),
             config.fast_forward_warmup,
             self.live,
             self.notes,
             self.fail,
+            self.record_ended,
         )
         self.ff = self.reach.ff
         self.restored = False
@@ -123,7 +125,7 @@ class Replayer:
                 self.rec,
                 config.data,
                 self.restore_step,
-                self.to_step,
+                self.reach.verify_to(self.to_step),
                 self.reach.batch_content,
                 self.notes,
                 self.record_ended if self.truncated else None,
@@ -269,7 +271,7 @@ class Replayer:
         base = self._base(seq, call.op, exp.pg)
         if verify_now and self.reach.unverified():
             verify_now = False
-        if verify_now and (ended := self.reach.beyond_the_dumps(exp)):
+        if verify_now and (ended := self.reach.beyond_the_payloads(exp)):
             self.record_ended(ended)
         if verify_now:
             self.found(
@@ -340,8 +342,9 @@ class Replayer:
 
     def record_ended(self, where: str) -> None:
         """The replay needs what the record does not hold: stop, with what was verified."""
+        why = "; ".join(self.complete["reasons"])
         self.notes.append(
-            f"the record of rank {self.rank} ends {where} ({'; '.join(self.complete['reasons'])}); "
+            f"the record of rank {self.rank} ends {where}{f' ({why})' if why else ''}; "
             "the replay matched everything recorded up to there and stopped"
         )
         self.finish("end", EXIT_OK, reason=f"the record ends {where}")

@@ -5,7 +5,8 @@ fast-forward runs (``fastforward.py``): the first steps compute, the rest run wi
 the loss the program passes to ``backward`` gets its recorded value (what it logs from it is what
 the recording logged). Right after the restore, collectives whose inputs the program computed before
 the snapshot (a loss all-reduced after the optimizer step) are answered but not checked. With a
-flight recorder's window, the record's payloads end where its dumps end. This module is that
+flight recorder's window, the record's payloads end where its dumps end; with ``--payloads
+steps:A-B``, where the run of kept steps from the restored snapshot ends. This module is that
 bookkeeping; ``agent.Replayer`` calls it at its hooks.
 """
 
@@ -22,6 +23,7 @@ from fsdp_replay.agent.collectives import CollectiveCall, wait_result
 from fsdp_replay.replayer.expected import ExpectedColl, RankRecord
 from fsdp_replay.replayer.fake_pg import completed_work
 from fsdp_replay.replayer.fastforward import FastForward
+from fsdp_replay.replayer.verify import kept_end
 
 
 class Reach:
@@ -30,15 +32,18 @@ class Reach:
         rec: RankRecord,
         rank: int,
         restore_step: int,
+        steps: tuple[int, int],  # --from-step, --to-step (-1: to the end)
         warmup: int,
         live: bool,
         notes: list[str],
         fail: Callable[[str, BaseException], None],
+        ended: Callable[[str], None],
     ) -> None:
         self.rec = rec
         self.rank = rank
         self.restore_step = restore_step
         self.notes = notes
+        self.ended = ended  # the record ends here: stop with what was verified
         # Steps before the snapshot: the first few compute, the rest run without kernels.
         self.ff = FastForward(restore_step, warmup, fail) if restore_step > 0 and not live else None
         # After the restore, until the program draws a batch or calls its model.
@@ -48,6 +53,15 @@ class Reach:
         # --payloads window:N: the record's payloads are those of the dumps' steps only
         self.flight_end = max(int(d["last_step"]) for d in dumps) if dumps else None
         self.flight_dumps = len(dumps)
+        # --payloads steps:A-B: those of the unbroken run of kept steps from the restored one (a
+        # live replay takes its peers' outputs: it needs none). A run that ends before the steps
+        # asked for (--from-step, or --to-step past it) is no clean end: the replay stops where the
+        # payloads are missing and says so.
+        self.policy = str((rec.meta.get("policy") or {}).get("payloads", "all"))
+        end = None if live or dumps else kept_end(self.policy, restore_step)
+        from_step, to_step = steps
+        asked = end is not None and end >= from_step and (to_step < 0 or to_step <= end)
+        self.kept_end = end if asked else None
 
     # -- before the snapshot ---------------------------------------------------------------
     def skipping(self) -> bool:
@@ -60,12 +74,20 @@ class Reach:
         if self.ff is not None:
             self.ff.loop_started()
 
-    def batch_content(self, step: int) -> str:
+    def batch_content(self, step: int, lacking: bool) -> str:
         """What a served batch of a recorded ``step`` holds: its bytes where the replay verifies,
         before the snapshot its bytes where the trace has them, else zeros (the model may compute
-        on it: a warm-up step, or a step whose model meets new inputs)."""
+        on it: a warm-up step, or a step whose model meets new inputs). A batch without its bytes
+        past the kept payloads (``steps:A-B``) ends the replay there: the model never computes
+        on zeros where the replay would check what it computes."""
         self.loop_started()
+        if lacking and self.kept_end is not None and step > self.kept_end:
+            self.ended(f"at the batch of step {step}: {self._kept()}")
         return "bytes" if step >= self.restore_step else "zeros"
+
+    def verify_to(self, to_step: int) -> int:
+        """The last step the replay verifies, for ``--to-step to_step`` (-1: to the end)."""
+        return self.kept_end if self.kept_end is not None and to_step < 0 else to_step
 
     def collective(self, call: CollectiveCall, real: Any) -> Any:
         """A collective of a step the fast-forward skips (one the program makes outside its model,
@@ -181,15 +203,29 @@ class Reach:
                 + " not checked"
             )
 
-    # -- a flight recorder's window --------------------------------------------------------
-    def beyond_the_dumps(self, exp: ExpectedColl) -> str | None:
-        """Where the record ends for a window trace: the first collective past the dumps'
-        payloads (None: not a window trace, or still inside them)."""
-        if self.flight_end is None or exp.step < self.flight_end:
+    # -- where the kept payloads end: a flight recorder's window, or steps:A-B ----------------
+    def beyond_the_payloads(self, exp: ExpectedColl) -> str | None:
+        """Where the record ends for a trace that kept the payloads of some steps only: the first
+        collective past them that lacks one (None: all steps kept, or still inside them). A
+        flight recorder's last dump may end inside a step (the failure's): its collectives are
+        kept as far as they were made."""
+        if self.flight_end is not None:
+            if exp.step < self.flight_end or not _lacks_outputs(exp):
+                return None
+            return (
+                f"at collective #{exp.seq} of step {exp.step}: the flight recorder's dumps "
+                f"({self.flight_dumps}) hold payloads through there"
+            )
+        if self.kept_end is None or exp.step <= self.kept_end or not _lacks_outputs(exp):
             return None
-        if not any(e.payload < 0 for e in exp.role("o")):
-            return None
+        return f"at collective #{exp.seq} of step {exp.step}: {self._kept()}"
+
+    def _kept(self) -> str:
         return (
-            f"at collective #{exp.seq} of step {exp.step}: the flight recorder's dumps ({self.flight_dumps}) "
-            "hold payloads through there"
+            f"the recording kept payloads for {self.policy}, through step {self.kept_end} "
+            f"from step {self.restore_step}"
         )
+
+
+def _lacks_outputs(exp: ExpectedColl) -> bool:
+    return any(e.payload < 0 for e in exp.role("o"))

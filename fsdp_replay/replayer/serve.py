@@ -108,7 +108,7 @@ class BatchServer:
         mode: str,
         verify_from: int,
         verify_to: int,
-        content: Callable[[int], str],  # recorded step -> "bytes" | "zeros"
+        content: Callable[[int, bool], str],  # recorded step, bytes missing -> "bytes" | "zeros"
         notes: list[str],
         record_ended: Callable[[str], None] | None = None,  # a truncated record: the replay stops
     ) -> None:
@@ -194,7 +194,7 @@ class BatchServer:
     # -- batches ---------------------------------------------------------------------------
     def batch(self, n: int) -> Any:
         b = self.rec.batches[n]
-        how = self.content(int(b["step"]))
+        how = self.content(int(b["step"]), any(t.payload < 0 for t in b["tensors"]))
         leaves = [self._tensor(t, how) for t in b["tensors"]]
         self.served += 1
         return decode_structure(b["structure"], leaves)

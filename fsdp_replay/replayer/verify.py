@@ -266,11 +266,23 @@ def missing_payload_hint(rec: RankRecord, step: int, restore_step: int, tape: bo
         return f"{head}: {damaged} stored payloads were lost to spool damage (see `fsdp-replay inspect`)"
     if wanted:
         return f"{head}, although the recording kept payloads for {policy}"
+    kept = kept_end(policy, restore_step)
+    through = f", or replay no further than step {kept} (--to-step {kept})" if kept is not None else ""
     return (
         f"{head}: the recording kept payloads for {policy}; an isolated replay of steps "
         f"{restore_step}.. needs the payloads of those steps (record with {flag} all or "
-        f"steps:{restore_step}-...)"
+        f"steps:{restore_step}-...{through})"
     )
+
+
+def kept_end(policy: str, start: int) -> int | None:
+    """The last step of a ``steps:`` payload policy's unbroken run of kept steps from ``start``;
+    None when that run has no end (all, a window, an open range) or ``start`` was not kept."""
+    try:
+        end = StepSet.parse(policy).kept_through(start)
+    except ConfigError:
+        return None
+    return end if end is not None and end >= start else None
 
 
 def window_hint(rec: RankRecord, step: int, policy: str) -> str:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Final
 
-from fsdp_replay.errors import TraceFormatError
+from fsdp_replay.errors import ConfigError, TraceFormatError
 from fsdp_replay.trace.schema import SPOOL_DIR, TRACE_DIR
 
 RUN_JSON: Final = "run.json"
@@ -69,6 +69,29 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def output_file(path: str, flag: str, traces: tuple[str, ...], suffixes: tuple[str, ...] = ()) -> Path:
+    """A file a command writes (an export, a plot), checked before any work: not a folder, not
+    inside a trace it reads, with one of ``suffixes`` (when given); its folder is made."""
+    target = Path(path)
+    if target.is_dir() or path.endswith(os.sep):
+        raise ConfigError(f"{flag} {path} is a folder: give the file to write")
+    if suffixes and not path.lower().endswith(suffixes):
+        names = ", ".join(suffixes[:-1]) + " or " + suffixes[-1] if len(suffixes) > 1 else suffixes[0]
+        raise ConfigError(f"{flag} {path}: the file name must end in {names}")
+    where = target.resolve()
+    for t in traces:
+        if "://" in t:
+            continue
+        trace = Path(resolve_trace(t)).resolve()
+        if where == trace or trace in where.parents:
+            raise ConfigError(f"{flag} {path} is inside the trace {t}: write it outside")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot make its folder ({e.strerror})") from e
+    return target
 
 
 def resolve_trace(path: str) -> str:

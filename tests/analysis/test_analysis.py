@@ -315,6 +315,8 @@ def test_two_recordings_of_the_same_run_are_identical(
     code, out = cli(capsys, "diff", str(runs["a"]), str(runs["b"]), "--plot", str(tmp_path / "same.png"))
     assert code == 0 and "identical" in out
     assert (tmp_path / "same.png").read_bytes()[:8] == PNG_MAGIC
+    for plot in (tmp_path / "same.txt", tmp_path, runs["a"] / "trace.zarr" / "d.png"):
+        assert cli(capsys, "diff", str(runs["a"]), str(runs["b"]), "--plot", str(plot))[0] == 2
     # a clean run: no NaN, no desync
     assert nonfinite_origin(a) is None
     rep = desync_report(a)

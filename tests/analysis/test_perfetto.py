@@ -128,3 +128,9 @@ def test_one_rank_and_the_exit_codes(rec: Path, tmp_path: Path) -> None:
     proc = run([*CLI, "export", "--memory-snapshot", str(rec), "-o", str(out)], check=False)
     assert proc.returncode == 3 and "no rank recorded an out-of-memory error" in proc.stderr
     assert not out.exists()
+    # never into the trace; a folder that is not there yet is made
+    inside = rec / schema.TRACE_DIR / "t.json"
+    proc = run([*CLI, "export", "--perfetto", str(rec), "-o", str(inside)], check=False)
+    assert proc.returncode == 2 and "is inside the trace" in proc.stderr and not inside.exists()
+    run([*CLI, "export", "--perfetto", str(rec), "-o", str(tmp_path / "new" / "t.json")])
+    check(json.loads((tmp_path / "new" / "t.json").read_text()))

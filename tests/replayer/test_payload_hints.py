@@ -40,6 +40,9 @@ def test_steps_and_all_policies_keep_their_hints() -> None:
     assert "steps:0-..." not in missing_payload_hint(_rec("all"), 3, 0)
     hint = missing_payload_hint(_rec("steps:0-1"), 3, 2)
     assert "needs the payloads of those steps" in hint and "steps:2-..." in hint
+    assert "--to-step" not in hint  # step 2 itself was not kept: no shorter replay helps
+    hint = missing_payload_hint(_rec("steps:2-3,4"), 5, 2)  # --to-step past the kept run
+    assert "or replay no further than step 4 (--to-step 4)" in hint
     hint = missing_payload_hint(_rec("all", blobs_dropped=5, blob_bytes_dropped=5_000_000), 3, 0)
     assert "dropped 5 of them" in hint and "--max-pending-bytes" in hint
 

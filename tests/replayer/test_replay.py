@@ -302,16 +302,24 @@ def test_replay_needs_the_payloads_of_the_steps_it_verifies(tmp_path: Path) -> N
     rec, _ = record(tmp_path, 2, "--steps", "4", *SMALL, record_args=("--payloads", "steps:0-1"))
     doc, out, _ = replay(rec, 1, "--to-step", "1", check_code=0)
     assert doc["verified_steps"] == [0, 1]
-    doc, out, _ = replay(rec, 1, check_code=3)
+    # Without --to-step, the replay stops cleanly where the kept payloads end, and says so.
+    doc, out, _ = replay(rec, 1, check_code=0)
+    assert doc["status"] == "bit-exact" and doc["verified_steps"] == [0, 1], out
+    assert "the recording kept payloads for steps:0-1, through step 1 from step 0" in out
+    # Steps asked for past them are missing: named, never a verdict over the steps before.
+    doc, out, _ = replay(rec, 1, "--from-step", "2", check_code=3)
     first = doc["first_divergence"]
     assert first["kind"] == "payload_missing" and first["step"] == 2, out
     assert "needs the payloads" in out
+    doc, out, _ = replay(rec, 1, "--to-step", "3", check_code=3)
+    assert doc["first_divergence"]["step"] == 2 and "(--to-step 1)" in out, out
     # A payload range that starts later gets a snapshot of its own: its steps replay from it alone.
     rec, _ = record(
         tmp_path, 2, "--steps", "4", *SMALL, record_args=("--payloads", "steps:2-3"), name="later"
     )
     doc, out, _ = replay(rec, 1, "--from-step", "2", check_code=0)
     assert doc["restored_snapshot"] == 2 and doc["verified_steps"] == [2, 3], out
+    assert "the record of rank 1 ends" not in out  # the run's last step is 3
 
 
 def test_replay_of_a_missing_rank_or_trace_is_a_clear_error(tmp_path: Path) -> None:
