@@ -12,7 +12,7 @@ from typing import Any
 
 from fsdp_replay import __version__
 from fsdp_replay.cli.render import print_collect
-from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError
+from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError, TraceNotFoundError
 from fsdp_replay.options import env_option, usage_with_command
 from fsdp_replay.trace import schema, spool
 from fsdp_replay.trace.layout import ATTACHED_DIR, RUN_JSON, atomic_write, attached_dir
@@ -252,6 +252,20 @@ def collect_run(
 
 def cmd_collect(args: argparse.Namespace) -> int:
     out = Path(args.run)
+    if not out.is_dir():
+        raise TraceNotFoundError(f"no run folder {out} (collect takes the folder given to record --out)")
+    built = out / schema.TRACE_DIR
+    if not spool.spool_ranks(out / schema.SPOOL_DIR) and built.is_dir():
+        # record removes the spools once the trace is written: the trace is all there is
+        if args.trace:
+            print(
+                f"fsdp-replay: nothing to collect in {out}: its trace is built ({built}) and its spools were "
+                f"removed when it was; copy that folder to {args.trace} instead",
+                file=sys.stderr,
+            )
+            return ExitCode.UNUSABLE
+        print(f"fsdp-replay: {out}: the trace is already built ({built}); nothing to collect")
+        return ExitCode.OK
     if not spool.spool_ranks(out / schema.SPOOL_DIR) and _attach_markers(out):
         try:
             run = json.loads((out / RUN_JSON).read_text())

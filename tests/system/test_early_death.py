@@ -113,6 +113,13 @@ def test_markers_beside_rank_spools_are_not_spools(tmp_path: Path) -> None:
     again = run([*CLI, "record", "--out", str(out), "--", "true"], check=False)
     assert again.returncode == 2 and "already holds a recording" in again.stderr
     assert json.loads((out / "run.json").read_text())["command"][-1] == "2"
+    # collect of it: the trace is there, nothing to do (not "nothing was recorded"); elsewhere, say how
+    done = run([*CLI, "collect", str(out)], check=False)
+    assert done.returncode == 0 and "the trace is already built" in done.stdout, done.stderr
+    done = run([*CLI, "collect", str(out), "--trace", str(tmp_path / "other")], check=False)
+    assert done.returncode == 3 and "copy that folder to" in done.stderr and not (tmp_path / "other").exists()
+    done = run([*CLI, "collect", str(tmp_path / "no-such-run")], check=False)
+    assert done.returncode == 3 and "no run folder" in done.stderr and not (tmp_path / "no-such-run").exists()
 
 
 def test_a_marker_that_cannot_be_written_never_raises(tmp_path: Path) -> None:
