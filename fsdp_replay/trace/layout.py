@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Final
 
-from fsdp_replay.errors import ConfigError, TraceFormatError
+from fsdp_replay.errors import ConfigError, TraceFormatError, TraceNotFoundError
 from fsdp_replay.trace.schema import SPOOL_DIR, TRACE_DIR
 
 RUN_JSON: Final = "run.json"
@@ -101,4 +101,11 @@ def resolve_trace(path: str) -> str:
         return inner
     if "://" not in path and os.path.exists(inner):
         raise TraceFormatError("not a trace: a file where the trace folder should be", path=inner)
+    if "://" not in path and os.path.isdir(os.path.join(path, SPOOL_DIR)) and not os.path.exists(
+        os.path.join(path, "zarr.json")
+    ):
+        raise TraceNotFoundError(
+            f"{path} holds a recording's spools but no trace yet (record --no-collect, or a run still "
+            f"going): build it with `fsdp-replay collect {path}`"
+        )
     return path

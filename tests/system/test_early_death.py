@@ -100,6 +100,9 @@ def test_markers_beside_rank_spools_are_not_spools(tmp_path: Path) -> None:
     spool_root = out / schema.SPOOL_DIR
     assert sorted(p.name for p in spool_root.iterdir()) == [ATTACHED_DIR, "rank-00000", "rank-00001"]
     assert sorted(m["rank"] for m in _markers(out) if m["rank"] is not None) == [0, 1]  # type: ignore[type-var]
+    for cmd in (("inspect", str(out)), ("replay", str(out), "--rank", "0")):  # before its trace is built
+        early = run([*CLI, *cmd], check=False)
+        assert early.returncode == 3 and f"`fsdp-replay collect {out}`" in early.stderr, early.stderr
     done = run([*CLI, "collect", str(out)], check=False)
     assert done.returncode == 0, done.stderr
     assert "damage" not in done.stdout + done.stderr
