@@ -268,11 +268,28 @@ def missing_payload_hint(rec: RankRecord, step: int, restore_step: int, tape: bo
         return f"{head}, although the recording kept payloads for {policy}"
     kept = kept_end(policy, restore_step)
     through = f", or replay no further than step {kept} (--to-step {kept})" if kept is not None else ""
+    if kept is None and (later := _later_kept(rec, policy, step)) is not None:
+        through = f", or replay the steps it kept: --from-step {later}"
     return (
         f"{head}: the recording kept payloads for {policy}; an isolated replay of steps "
         f"{restore_step}.. needs the payloads of those steps (record with {flag} all or "
         f"steps:{restore_step}-...{through})"
     )
+
+
+def _later_kept(rec: RankRecord, policy: str, step: int) -> int | None:
+    """The first kept step after ``step`` that a replay can start from: a snapshot at or before it
+    whose kept run reaches it (the recorder snapshots the first step of each range)."""
+    try:
+        starts = sorted({lo for lo, _hi in StepSet.parse(policy).ranges if lo > step})
+    except ConfigError:
+        return None
+    for lo in starts:
+        snap = rec.snapshot_at_or_before(lo)
+        end = kept_end(policy, int(snap["step"])) if snap is not None else None
+        if end is not None and end >= lo:
+            return lo
+    return None
 
 
 def kept_end(policy: str, start: int) -> int | None:

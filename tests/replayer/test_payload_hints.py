@@ -9,11 +9,20 @@ from typing import Any
 from fsdp_replay.replayer.verify import missing_payload_hint
 
 
-def _rec(policy: str, dumps: list[dict[str, Any]] | None = None, **counters: int) -> Any:
+def _rec(
+    policy: str, dumps: list[dict[str, Any]] | None = None, snapshots: tuple[int, ...] = (0,), **counters: int
+) -> Any:
     attrs: dict[str, Any] = {"end": {"counters": counters}}
     if dumps is not None:
         attrs["flight_dumps"] = dumps
-    return SimpleNamespace(meta={"policy": {"payloads": policy}}, attrs=attrs)
+
+    def snapshot_at_or_before(step: int) -> dict[str, Any] | None:
+        best = [s for s in snapshots if s <= step]
+        return {"step": max(best)} if best else None
+
+    return SimpleNamespace(
+        meta={"policy": {"payloads": policy}}, attrs=attrs, snapshot_at_or_before=snapshot_at_or_before
+    )
 
 
 def _dump(first: int, last: int, reason: str = "nonfinite", dropped: int = 0) -> dict[str, Any]:
@@ -43,6 +52,12 @@ def test_steps_and_all_policies_keep_their_hints() -> None:
     assert "--to-step" not in hint  # step 2 itself was not kept: no shorter replay helps
     hint = missing_payload_hint(_rec("steps:2-3,4"), 5, 2)  # --to-step past the kept run
     assert "or replay no further than step 4 (--to-step 4)" in hint
+    # a replay from before the kept steps: the first of them with a snapshot to start from
+    hint = missing_payload_hint(_rec("steps:2-3,8-9", snapshots=(0, 8)), 0, 0)
+    assert "or replay the steps it kept: --from-step 8" in hint
+    hint = missing_payload_hint(_rec("steps:2-3,8-9", snapshots=(0, 2, 8)), 0, 0)
+    assert "or replay the steps it kept: --from-step 2" in hint
+    assert "steps it kept" not in missing_payload_hint(_rec("steps:2-3"), 0, 0)  # no snapshot to start from
     hint = missing_payload_hint(_rec("all", blobs_dropped=5, blob_bytes_dropped=5_000_000), 3, 0)
     assert "dropped 5 of them" in hint and "--max-pending-bytes" in hint
 
