@@ -45,6 +45,8 @@ def path_map(meta: dict[str, Any], cwd: str | None, pairs: str | None) -> PathMa
     """Where the recorded run's paths are here: ``--map OLD=NEW,...`` as given, and the recorded
     working directory, which stands at ``--cwd`` (default: where it was, if it exists here, else
     the current directory). Longest OLD first."""
+    if cwd and not os.path.isdir(cwd):
+        raise ConfigError(f"--cwd {cwd}: no such folder here (it stands for the recorded working directory)")
     out: PathMap = []
     for item in (pairs or "").split(","):
         if not item.strip():

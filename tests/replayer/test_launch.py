@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fsdp_replay.replayer import launch
@@ -104,3 +106,17 @@ def test_cuda_n_counts_the_gpus_this_shell_sees(shell: None, monkeypatch: pytest
     assert launch.replay_env(META, 1, 2, "cuda")["CUDA_VISIBLE_DEVICES"] == "2"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert launch.replay_env(META, 1, 2, "cuda:1")["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_the_recorded_working_directory_maps_to_cwd_which_must_exist(tmp_path: Path) -> None:
+    from fsdp_replay.errors import ConfigError
+
+    meta = {"cwd": "/job/work"}
+    assert launch.path_map(meta, str(tmp_path), "/data=/mnt/data") == [
+        ("/job/work", str(tmp_path)),
+        ("/data", "/mnt/data"),
+    ]
+    with pytest.raises(ConfigError, match=r"--cwd .*/gone: no such folder here"):
+        launch.path_map(meta, str(tmp_path / "gone"), None)
+    with pytest.raises(ConfigError, match="give OLD=NEW"):
+        launch.path_map(meta, None, "relative=/x")
