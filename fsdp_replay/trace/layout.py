@@ -101,8 +101,10 @@ def resolve_trace(path: str) -> str:
         return inner
     if "://" not in path and os.path.exists(inner):
         raise TraceFormatError("not a trace: a file where the trace folder should be", path=inner)
-    if "://" not in path and os.path.isdir(os.path.join(path, SPOOL_DIR)) and not os.path.exists(
-        os.path.join(path, "zarr.json")
+    if (
+        "://" not in path
+        and os.path.isdir(os.path.join(path, SPOOL_DIR))
+        and not os.path.exists(os.path.join(path, "zarr.json"))
     ):
         raise TraceNotFoundError(
             f"{path} holds a recording's spools but no trace yet (record --no-collect, or a run still "
