@@ -19,6 +19,7 @@ from fsdp_replay.trace.layout import (
     REPORT_TXT,
     RUN_JSON,
     atomic_write,
+    inside_trace,
     resolve_trace,
 )
 
@@ -96,11 +97,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _check_report_dir(out: Path, trace_url: str) -> None:
     """The replay writes its report, and the replayed program its files, into ``out``: never into
     a trace or over a recording."""
+    if inside_trace(out, trace_url):
+        raise ConfigError(f"--report {out} is inside the trace {trace_url}: choose a folder outside it")
     where = out.resolve()
-    if "://" not in trace_url:
-        trace = Path(trace_url).resolve()
-        if where == trace or trace in where.parents:
-            raise ConfigError(f"--report {out} is inside the trace {trace_url}: choose a folder outside it")
     if (
         (where / schema.TRACE_DIR).exists()
         or (where / schema.SPOOL_DIR).exists()

@@ -281,12 +281,12 @@ def _later_kept(rec: RankRecord, policy: str, step: int) -> int | None:
     """The first kept step after ``step`` that a replay can start from: a snapshot at or before it
     whose kept run reaches it (the recorder snapshots the first step of each range)."""
     try:
-        starts = sorted({lo for lo, _hi in StepSet.parse(policy).ranges if lo > step})
+        steps = StepSet.parse(policy)
     except ConfigError:
         return None
-    for lo in starts:
+    for lo in sorted({lo for lo, _hi in steps.ranges if lo > step}):
         snap = rec.snapshot_at_or_before(lo)
-        end = kept_end(policy, int(snap["step"])) if snap is not None else None
+        end = steps.kept_through(int(snap["step"])) if snap is not None else None
         if end is not None and end >= lo:
             return lo
     return None

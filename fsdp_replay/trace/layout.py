@@ -71,6 +71,14 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
         raise
 
 
+def inside_trace(path: Path, trace_url: str) -> bool:
+    """Whether ``path`` is the trace ``trace_url`` (a run folder or the trace) or inside it."""
+    if "://" in trace_url:
+        return False
+    where, trace = path.resolve(), Path(resolve_trace(trace_url)).resolve()
+    return where == trace or trace in where.parents
+
+
 def output_file(path: str, flag: str, traces: tuple[str, ...], suffixes: tuple[str, ...] = ()) -> Path:
     """A file a command writes (an export, a plot), checked before any work: not a folder, not
     inside a trace it reads, with one of ``suffixes`` (when given); its folder is made."""
@@ -80,12 +88,8 @@ def output_file(path: str, flag: str, traces: tuple[str, ...], suffixes: tuple[s
     if suffixes and not path.lower().endswith(suffixes):
         names = ", ".join(suffixes[:-1]) + " or " + suffixes[-1] if len(suffixes) > 1 else suffixes[0]
         raise ConfigError(f"{flag} {path}: the file name must end in {names}")
-    where = target.resolve()
     for t in traces:
-        if "://" in t:
-            continue
-        trace = Path(resolve_trace(t)).resolve()
-        if where == trace or trace in where.parents:
+        if inside_trace(target, t):
             raise ConfigError(f"{flag} {path} is inside the trace {t}: write it outside")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
