@@ -287,7 +287,7 @@ def _later_kept(rec: RankRecord, policy: str, step: int) -> int | None:
     for lo in sorted({lo for lo, _hi in steps.ranges if lo > step}):
         snap = rec.snapshot_at_or_before(lo)
         end = steps.kept_through(int(snap["step"])) if snap is not None else None
-        if end is not None and end >= lo:
+        if end is None or end >= lo:  # None: an open range from the snapshot, which reaches lo
             return lo
     return None
 

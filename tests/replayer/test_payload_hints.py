@@ -58,6 +58,8 @@ def test_steps_and_all_policies_keep_their_hints() -> None:
     hint = missing_payload_hint(_rec("steps:2-3,8-9", snapshots=(0, 2, 8)), 0, 0)
     assert "or replay the steps it kept: --from-step 2" in hint
     assert "steps it kept" not in missing_payload_hint(_rec("steps:2-3"), 0, 0)  # no snapshot to start from
+    hint = missing_payload_hint(_rec("steps:8-", snapshots=(0, 8)), 0, 0)  # an open range
+    assert "or replay the steps it kept: --from-step 8" in hint
     hint = missing_payload_hint(_rec("all", blobs_dropped=5, blob_bytes_dropped=5_000_000), 3, 0)
     assert "dropped 5 of them" in hint and "--max-pending-bytes" in hint
 
