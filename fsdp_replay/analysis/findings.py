@@ -226,13 +226,25 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
             )
         )
     else:
-        if end.get("exception"):
+        last_line = str(end.get("exception") or "").strip().splitlines()[-1:] or [""]
+        if last_line[0].startswith("KeyboardInterrupt"):  # Ctrl-C (SIGINT): often a job that hung
+            out.append(
+                finding(
+                    "ended",
+                    PROBLEM,
+                    f"rank {rank} was interrupted (SIGINT: KeyboardInterrupt) after {r['steps']} steps",
+                    f"fsdp-replay desync {q}",
+                    rank=rank,
+                    step=max(r["steps"] - 1, 0),
+                )
+            )
+        elif end.get("exception"):
             out.append(
                 finding(
                     "ended",
                     PROBLEM,
                     f"rank {rank} ended with an uncaught exception after {r['steps']} steps: "
-                    f"{str(end['exception']).strip().splitlines()[-1][:300]}",
+                    f"{last_line[0][:300]}",
                     rank_replay(r, q),
                     rank=rank,
                     step=max(r["steps"] - 1, 0),

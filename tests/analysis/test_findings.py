@@ -78,3 +78,17 @@ def test_the_replay_offered_for_a_nan_covers_its_step_from_a_snapshot() -> None:
     )  # 8, 9 missing
     assert offered("none", [0]).startswith("fsdp-replay replay run --all-ranks --to-step 12")
     assert offered("none", [0], outputs=0) == alone
+
+
+def test_an_interrupted_rank_leads_to_desync_and_a_crash_to_its_replay() -> None:
+    def ended(exception: str) -> dict[str, Any]:
+        r = _rank(0, killed=False, with_payload=969)
+        r["end"] = {"reason": "exit", "exception": exception}
+        (f,) = [f for f in _rank_findings(r, "run") if f["kind"] == "ended"]
+        return f
+
+    ctrl_c = ended("Traceback (most recent call last):\n  ...\nKeyboardInterrupt()")
+    assert "interrupted (SIGINT" in ctrl_c["message"] and ctrl_c["next"] == "fsdp-replay desync run"
+    crash = ended("Traceback (most recent call last):\n  ...\nRuntimeError: boom\n")
+    assert crash["message"].endswith("uncaught exception after 48 steps: RuntimeError: boom")
+    assert crash["next"] == "fsdp-replay replay run --rank 0"
