@@ -142,6 +142,17 @@ class BatchServer:
             f"the program asks for batch {n}; the recording holds {len(self.rec.batches)}"
         )
 
+    def beyond_a_cut_record(self, ordinal: int) -> None:
+        """A cut record (a killed or interrupted run) whose every batch the program has consumed,
+        asked for an iterator it never drew from: the program is past where the recording stopped,
+        and the replay ends there rather than run the program's own data pipeline."""
+        if self.record_ended is None or self.next_batch < len(self.rec.batches):
+            return
+        if ordinal > max(self.by_loader, default=-1):
+            self.record_ended(
+                f"at DataLoader iterator #{ordinal}, after its last batch ({len(self.rec.batches)} recorded)"
+            )
+
     # -- installation ----------------------------------------------------------------------
     def install(self) -> None:
         if self.mode == "live":
@@ -152,6 +163,7 @@ class BatchServer:
 
         def _get_iterator(loader: Any) -> Any:
             ordinal = server.next_ordinal
+            server.beyond_a_cut_record(ordinal)
             why = server.unservable(ordinal)
             if why is None:
                 server.next_ordinal += 1

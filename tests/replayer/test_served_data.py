@@ -72,6 +72,25 @@ def test_the_example_replays_with_its_data_folder_removed(tmp_path: Path) -> Non
     assert "recorded run read this file" in out or "No such file" in out
 
 
+def test_a_record_cut_after_an_epoch_ends_the_replay_at_the_next_iterator(tmp_path: Path) -> None:
+    """The agent stops after the 4th batch, the last of the first epoch (2 steps of 2 micro-batches
+    a rank): the replay verifies steps 0..1 and ends where the program starts its next epoch,
+    instead of running the program's own data pipeline over a folder that is not here."""
+    data = tmp_path / "data"
+    run(
+        [sys.executable, str(EXAMPLE), "--prepare-data", str(data), "--seq-len", "16", "--dataset-size", "64"]
+    )
+    rec, _ = record(
+        tmp_path, 2, "--steps", "4", *TINY, "--data-dir", str(data), FSDP_REPLAY_INJECT_FAULT="batch:5"
+    )
+    assert len(Trace.open(str(rec / "trace.zarr")).rank(0).table("batches")["rng"]) == 4
+    shutil.rmtree(data)
+    doc, out, code = _replay(rec, 0)
+    assert code == 0 and doc["status"] == "bit-exact" and doc["verified_steps"] == [0, 1], out
+    assert "ends at DataLoader iterator #1, after its last batch (4 recorded)" in out, out
+    assert not any("own data pipeline" in n for n in doc["notes"]), doc["notes"]
+
+
 def test_a_dataset_that_draws_the_process_rng_replays_served(tmp_path: Path) -> None:
     wl = WORKLOADS / "augment_train.py"
     out = tmp_path / "rec"
