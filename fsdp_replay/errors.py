@@ -16,6 +16,12 @@ class ExitCode(enum.IntEnum):
     FOUND = 1  # a replay that diverged; an analysis that found a NaN, a desync, a difference
     USAGE = 2  # a bad option or environment variable
     UNUSABLE = 3  # the input cannot be used: missing, damaged, foreign, incomplete, or refused
+    INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT), as a shell reports it; 128 + N for signal N
+
+    @staticmethod
+    def killed_by(signum: int) -> int:
+        """The exit code of a command stopped by signal ``signum`` (the shell's 128 + N)."""
+        return 128 + signum
 
 
 class FsdpReplayError(Exception):

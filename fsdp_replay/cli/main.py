@@ -59,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"fsdp-replay: {e}", file=sys.stderr)
         return ExitCode.USAGE
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (what was written stays consistent)
+        print("fsdp-replay: interrupted (Ctrl-C)", file=sys.stderr)
+        return ExitCode.INTERRUPTED
     except (TraceNotFoundError, TraceFormatError) as e:
         print(f"fsdp-replay: unusable trace: {e}", file=sys.stderr)
         return ExitCode.UNUSABLE

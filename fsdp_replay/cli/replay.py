@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -88,10 +89,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     if args.from_step > 0:
         print(f"fsdp-replay: {_plan(trace, args)}", file=sys.stderr)
-    code, _info = run_command(command, env, cwd=cwd)
+    code, info = run_command(command, env, cwd=cwd)
+    stopped = (info.get("signals_forwarded") or [None])[0]  # Ctrl-C or SIGTERM, passed to the program
     if args.all_ranks:
-        return _finish_all_ranks(out, world, code, notes)
-    return finish_report(out / REPORT_JSON, code, notes)
+        return _finish_all_ranks(out, world, code, notes, stopped)
+    return finish_report(out / REPORT_JSON, code, notes, stopped)
 
 
 def _check_report_dir(out: Path, trace_url: str) -> None:
@@ -171,12 +173,20 @@ def _plan(trace: Any, args: argparse.Namespace) -> str:
     )
 
 
-def finish_report(report_path: Path, code: int, notes: list[str]) -> int:
+def finish_report(report_path: Path, code: int, notes: list[str], stopped: int | None = None) -> int:
     """Add what the command line knows to the agent's report.json, write report.txt and the plot,
-    print the verdict; the exit code follows the verdict."""
+    print the verdict; the exit code follows the verdict. ``stopped``: the signal this command
+    passed on to the program (Ctrl-C, SIGTERM), if any."""
     from fsdp_replay.analysis.plots import plot_replay
     from fsdp_replay.replayer.report import render_text
 
+    if not report_path.is_file() and stopped is not None:
+        print(
+            f"fsdp-replay: the replay was stopped by {signal.Signals(stopped).name} before it could report "
+            f"(the program exited with code {code}): no verdict",
+            file=sys.stderr,
+        )
+        return ExitCode.killed_by(stopped)
     if not report_path.is_file():
         print(
             f"fsdp-replay: the replayed program exited with code {code} before the replay could report "
@@ -186,6 +196,16 @@ def finish_report(report_path: Path, code: int, notes: list[str]) -> int:
         return ExitCode.UNUSABLE
     report = json.loads(report_path.read_text())
     report["program_exit_code"] = code
+    first = report.get("first_divergence") or {}
+    if stopped is not None and report.get("status") == "diverged" and first.get("kind") == "ended_early":
+        # the program caught the stop and ended early by itself (a trainer's graceful shutdown)
+        report.update(
+            status="interrupted",
+            reason=f"stopped by {signal.Signals(stopped).name} at step {first.get('step')} after "
+            f"{first.get('seq')} collectives (the program ended early when it was stopped): no verdict",
+            first_divergence=None,
+            divergences=[],
+        )
     report["notes"] = [*notes, *report.get("notes", [])]
     atomic_write(report_path, json.dumps(report, indent=2, default=str) + "\n")
     text = render_text(report)
@@ -197,11 +217,11 @@ def finish_report(report_path: Path, code: int, notes: list[str]) -> int:
         + (f" ({REPORT_JSON}, {REPORT_TXT}, {REPLAY_PNG})" if plotted else ""),
         file=sys.stderr,
     )
-    verdicts = {"bit-exact": ExitCode.OK, "diverged": ExitCode.FOUND}
+    verdicts = {"bit-exact": ExitCode.OK, "diverged": ExitCode.FOUND, "interrupted": ExitCode.INTERRUPTED}
     return verdicts.get(str(report.get("status")), ExitCode.UNUSABLE)
 
 
-def _finish_all_ranks(out: Path, world: int, code: int, notes: list[str]) -> int:
+def _finish_all_ranks(out: Path, world: int, code: int, notes: list[str], stopped: int | None) -> int:
     from fsdp_replay.replayer.report import merge_reports
 
     reports = []
@@ -216,7 +236,7 @@ def _finish_all_ranks(out: Path, world: int, code: int, notes: list[str]) -> int
     merged = merge_reports(reports, world)
     atomic_write(out / REPORT_JSON, json.dumps(merged, indent=2, default=str) + "\n")
     results = [
-        finish_report(out / RANK_REPORT_FMT.format(rank=r["rank"]) / REPORT_JSON, code, notes)
+        finish_report(out / RANK_REPORT_FMT.format(rank=r["rank"]) / REPORT_JSON, code, notes, stopped)
         for r in reports
     ]
     first = merged.get("first_divergence")
@@ -225,7 +245,7 @@ def _finish_all_ranks(out: Path, world: int, code: int, notes: list[str]) -> int
         + (f"; first divergence on rank {first['rank']} at step {first['step']}" if first else "")
     )
     if len(reports) < world:
-        return ExitCode.UNUSABLE
+        return ExitCode.killed_by(stopped) if stopped is not None else ExitCode.UNUSABLE
     return max(results) if results else ExitCode.UNUSABLE
 
 

@@ -497,6 +497,10 @@ class Replayer:
                     f"nothing was compared with the record ({reason} at step {self.step}, before the first "
                     "recorded collective or step the replay could check)"
                 )
+            if status == "interrupted":
+                reason = (
+                    f"stopped by Ctrl-C (SIGINT) at step {self.step} after {self.seq} collectives: no verdict"
+                )
             if status == "error":
                 reason = (
                     f"the replayed program raised {self.program_error} at step {self.step} after "
@@ -554,6 +558,8 @@ class Replayer:
         if check_complete and self.program_error is not None:
             if self._reproduced_exception():
                 return "bit-exact", EXIT_OK
+            if (self.program_error or "").startswith("KeyboardInterrupt"):
+                return "interrupted", ExitCode.INTERRUPTED
             return "error", EXIT_BAD_INPUT
         if check_complete and self.seq < len(self.rec.colls) and self.to_step < 0:
             self.divergences.append(

@@ -146,10 +146,11 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"rank {rank}: DIVERGED")
     else:
         lines.append(f"rank {rank}: {str(status).upper()}: {report.get('reason')}")
-        if steps and status == "unusable":
+        if steps and status in ("unusable", "interrupted"):
             lines.append(
                 f"  before that, steps {span} matched the record ({report.get('collectives_verified', 0)} "
-                "collectives): no verdict is drawn past what the trace holds"
+                "collectives): no verdict is drawn past "
+                + ("what the trace holds" if status == "unusable" else "where the replay was stopped")
             )
     if report.get("restored_snapshot") is not None:
         lines.append(f"  restored the snapshot of step {report['restored_snapshot']}")
@@ -252,7 +253,9 @@ def merge_reports(reports: list[dict[str, Any]], world: int) -> dict[str, Any]:
     firsts = [r["first_divergence"] for r in reports if r.get("first_divergence")]
     firsts.sort(key=lambda d: (d["step"], d["micro"], d["seq"] if d.get("seq") is not None else -1))
     statuses = {r.get("status") for r in reports}
-    if len(reports) < world or statuses - {"bit-exact", "diverged"}:
+    if "interrupted" in statuses:
+        status = "interrupted"
+    elif len(reports) < world or statuses - {"bit-exact", "diverged"}:
         status = "incomplete"
     else:
         status = "diverged" if "diverged" in statuses else "bit-exact"

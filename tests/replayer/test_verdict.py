@@ -54,3 +54,11 @@ def test_an_unusable_replay_says_what_matched_before_it_stopped() -> None:
     assert lines[1] == (
         "  before that, steps 6..8 matched the record (59 collectives): no verdict is drawn past what the trace holds"
     )
+
+
+def test_one_interrupted_rank_makes_an_all_rank_replay_interrupted() -> None:
+    from fsdp_replay.replayer.report import merge_reports
+
+    ranks = [{"rank": 0, "status": "bit-exact"}, {"rank": 1, "status": "interrupted"}]
+    assert merge_reports(ranks, 2)["status"] == "interrupted"
+    assert merge_reports(ranks[:1], 2)["status"] == "incomplete"

@@ -382,3 +382,41 @@ def test_a_replay_keeps_the_users_thread_count_and_says_so(recorded: Path, tmp_p
     assert "OMP_NUM_THREADS=2 from your environment is used" in text, text[-3000:]
     doc = json.loads((report / "report.json").read_text())
     assert any("intra-op threads: recorded 1, replay 2" in n for n in doc["notes"]), doc["notes"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_replay_says_what_it_verified_without_a_verdict(tmp_path: Path, signum: int) -> None:
+    """Ctrl-C (or SIGTERM) during a replay: no DIVERGED, no 'replay defect' error; the shell's
+    128 + N exit code, and for Ctrl-C the steps that matched before the stop."""
+    rec, _ = record(
+        tmp_path, 2, "--steps", "24", "--sleep-per-step", "0.25", *SMALL, record_args=("--payloads", "all")
+    )
+    report = tmp_path / "stopped"
+    with subprocess.Popen(
+        [*CLI, "replay", str(rec), "--rank", "1", "--report", str(report)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        # as a terminal's Ctrl-C finds it: SIGINT not ignored (a background test runner ignores it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    ) as proc:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "rank 1: step 3/" in line:
+                break
+        proc.send_signal(signum)
+        out = "".join(seen) + proc.stdout.read()
+        assert proc.wait(timeout=120) == 128 + signum, out[-3000:]
+    assert "DIVERGED" not in out and "replay defect" not in out, out[-3000:]
+    if signum == signal.SIGINT:  # the program's KeyboardInterrupt: the replay reports
+        doc = json.loads((report / "report.json").read_text())
+        assert doc["status"] == "interrupted" and doc["first_divergence"] is None, doc
+        assert doc["verified_steps"][:4] == [0, 1, 2, 3], doc["verified_steps"]
+        assert "INTERRUPTED: stopped by Ctrl-C (SIGINT) at step" in out, out[-3000:]
+        assert f"before that, steps 0..{doc['verified_steps'][-1]} matched the record" in out
+    else:  # killed: the command line says so
+        assert "the replay was stopped by SIGTERM before it could report" in out, out[-3000:]
