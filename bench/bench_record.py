@@ -74,10 +74,10 @@ CUDA_ONLY = frozenset(
         "torch-profiler",
         "meta-torchfp",
         "meta-nocupti",
-        "meta-detach",
+        "meta-attached",
         "window4-nocupti",
-        "window4-detach",
-        "meta-python-detach",
+        "window4-attached",
+        "meta-python-attached",
         "window4-smcopy",
     }
 )
@@ -148,10 +148,11 @@ CONFIGS: tuple[Config, ...] = (
         reference="meta",
     ),
     Config(
-        "meta-detach",
+        "meta-attached",
         ("--payloads", "none"),
-        "metadata + fingerprints, CUPTI finalized after its default window (FSDP_REPLAY_CUPTI_DETACH=1)",
-        env=("FSDP_REPLAY_CUPTI_DETACH=1",),
+        "metadata + fingerprints, CUPTI kept attached after its default window (FSDP_REPLAY_CUPTI_DETACH=0; "
+        "the default lets it go): what its interception of every CUDA call after the window costs",
+        env=("FSDP_REPLAY_CUPTI_DETACH=0",),
         reference="meta",
     ),
     Config(
@@ -160,11 +161,11 @@ CONFIGS: tuple[Config, ...] = (
         "metadata + fingerprints, every collective recorded by the Python kernels (no C++ kernel)",
     ),
     Config(
-        "meta-python-detach",
+        "meta-python-attached",
         ("--payloads", "none", "--no-cxx-kernel"),
-        "as meta-python, CUPTI finalized after its default window (FSDP_REPLAY_CUPTI_DETACH=1): the "
-        "metadata-only reference of window4-detach",
-        env=("FSDP_REPLAY_CUPTI_DETACH=1",),
+        "as meta-python, CUPTI kept attached after its default window (FSDP_REPLAY_CUPTI_DETACH=0): the "
+        "metadata-only reference of window4-attached",
+        env=("FSDP_REPLAY_CUPTI_DETACH=0",),
         reference="meta-python",
     ),
     Config(
@@ -192,12 +193,12 @@ CONFIGS: tuple[Config, ...] = (
         warmup=WINDOW_WARMUP,
     ),
     Config(
-        "window4-detach",
+        "window4-attached",
         ("--payloads", "window:4"),
-        "the flight recorder as window4, CUPTI finalized after its default window "
-        "(FSDP_REPLAY_CUPTI_DETACH=1): its interception of every CUDA call ends with the window",
-        reference=("meta-python-detach", "meta-python"),
-        env=("FSDP_REPLAY_CUPTI_DETACH=1",),
+        "the flight recorder as window4, CUPTI kept attached after its default window "
+        "(FSDP_REPLAY_CUPTI_DETACH=0): its interception of every CUDA call goes on after the window",
+        reference=("meta-python-attached", "meta-python"),
+        env=("FSDP_REPLAY_CUPTI_DETACH=0",),
         warmup=WINDOW_WARMUP,
     ),
     Config(

@@ -175,8 +175,8 @@ PROCESS_SWITCHES = {
     "ring's slot copy, the tape's C++ hook's kept outputs) an elementwise kernel on the SMs instead of a "
     "memcpy, which may queue on a copy engine behind the side stream's host copies; off by default (on the H200 "
     "in session 18 no resolved difference: the flight recorder's cost is on the CPU)",
-    "FSDP_REPLAY_CUPTI_DETACH": "1 finalizes CUPTI after each capture window (cuptiFinalize), so that the "
-    "steps between windows do not pass every CUDA call through it; off by default until measured on a GPU",
+    "FSDP_REPLAY_CUPTI_DETACH": "0 keeps CUPTI attached after each capture window; by default it is finalized "
+    "(cuptiFinalize) so that the steps between windows do not pass every CUDA call through it",
 }
 
 

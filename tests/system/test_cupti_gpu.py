@@ -75,9 +75,10 @@ def _record(rec: Path, cupti: str, program: Path, *args: str, policy: tuple[str,
     ]
 
 
-def _env(detach: bool = False, **extra: str) -> dict[str, str]:
-    """The recorded run's environment; ``detach``: CUPTI let go between windows."""
-    return child_env(**({"FSDP_REPLAY_CUPTI_DETACH": "1"} if detach else {}), **extra)
+def _env(detach: bool = True, **extra: str) -> dict[str, str]:
+    """The recorded run's environment; ``detach``: CUPTI let go between windows (the default;
+    False keeps it attached, ``FSDP_REPLAY_CUPTI_DETACH=0``)."""
+    return child_env(**({} if detach else {"FSDP_REPLAY_CUPTI_DETACH": "0"}), **extra)
 
 
 def _ours(r: RankTrace) -> tuple[dict[int, list[str]], dict[int, int]]:
@@ -107,7 +108,7 @@ def test_kernel_counts_and_order_per_step_match_torch_profiler(
 ) -> None:
     """With default kernels the tape records nondeterministic calls, in its C++ hook while CUPTI
     traces: the hook's fingerprint launches must be marked as the agent's and left out. With two
-    windows (steps 1 and 4) and ``FSDP_REPLAY_CUPTI_DETACH=1`` CUPTI is finalized after the first
+    windows (steps 1 and 4) CUPTI is finalized after the first (the default detach)
     (``cupti_detaches``) and set up anew for the second, whose kernels must be as whole and as
     right as the first's (session 16's run found 99 of step 4's placed in step 1: correlation ids
     start over after a finalize; ``Decoder.forget_launches``)."""
@@ -179,7 +180,7 @@ def test_torch_profiler_inside_a_recorded_run_both_get_their_kernels(
     tmp_path: Path, cupti: str, detach: bool
 ) -> None:
     """torch.profiler opened at step 4 of a recorded run. With windows and the detach
-    (``FSDP_REPLAY_CUPTI_DETACH=1``), CUPTI was let go after the first window (steps 1-2) before
+    (the default), CUPTI was let go after the first window (steps 1-2) before
     the profiler took it, and is set up anew for the second (steps 8-9)."""
     rec, profile_out = tmp_path / "rec", tmp_path / "profile.json"
     steps, first, last = 10, 4, 5

@@ -52,7 +52,7 @@ from fsdp_replay.trace.schema import COPY_KIND_CODES
 log = logging.getLogger(__name__)
 
 NATIVE_ENV = "FSDP_REPLAY_CUPTI_NATIVE"  # 0: read CUPTI's buffers with cupti-python's callback
-DETACH_ENV = "FSDP_REPLAY_CUPTI_DETACH"  # 1: finalize CUPTI between windows (not yet the default)
+DETACH_ENV = "FSDP_REPLAY_CUPTI_DETACH"  # 0: keep CUPTI attached between windows (default: let it go)
 DETACH_WAIT_S = 1.0  # how long a step end waits for another thread's cuptiFinalize to end
 BUFFER_BYTES = 4 << 20  # per activity buffer, as Kineto's; CUPTI asks for more as they fill
 FLUSH_EVERY_STEPS = 8
@@ -175,8 +175,8 @@ class CuptiCapture:
         self._native = self._load_native()
         if self._native is None and not self._detach_off:
             self._detach_off = "CUPTI's buffers are read in Python (the detach needs the native library)"
-        if not options.process_switch(DETACH_ENV, False):
-            self._detach_off = f"{DETACH_ENV} is not 1"
+        if not options.process_switch(DETACH_ENV, True):
+            self._detach_off = f"{DETACH_ENV}=0"
         self.detail["detach"] = f"off: {self._detach_off}" if self._detach_off else "between windows"
         self.watch = coexist.ProfilerWatch(self.foreign_start)
         self.watch.install()
