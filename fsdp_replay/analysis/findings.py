@@ -214,53 +214,28 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
     rank = r["rank"]
     out = []
     end = r.get("end")
+    last_line = (str((end or {}).get("exception") or "").strip().splitlines() or [""])[-1]
+    ended: tuple[str, str] | None = None  # how the rank ended, if not well; what to run next
     if end is None:
+        ended = (f"did not finish recording (killed or crashed) after {r['steps']} steps", rank_replay(r, q))
+    elif last_line.startswith("KeyboardInterrupt"):  # Ctrl-C (SIGINT): often a job that hung
+        ended = (
+            f"was interrupted (SIGINT: KeyboardInterrupt) after {r['steps']} steps",
+            f"fsdp-replay desync {q}",
+        )
+    elif end.get("exception"):
+        ended = (
+            f"ended with an uncaught exception after {r['steps']} steps: {last_line[:300]}",
+            rank_replay(r, q),
+        )
+    elif end.get("reason") not in (None, "exit"):
+        ended = (f"was stopped by {end['reason']} after {r['steps']} steps", f"fsdp-replay desync {q}")
+    if ended is not None:
         out.append(
             finding(
-                "ended",
-                PROBLEM,
-                f"rank {rank} did not finish recording (killed or crashed) after {r['steps']} steps",
-                rank_replay(r, q),
-                rank=rank,
-                step=max(r["steps"] - 1, 0),
+                "ended", PROBLEM, f"rank {rank} {ended[0]}", ended[1], rank=rank, step=max(r["steps"] - 1, 0)
             )
         )
-    else:
-        last_line = str(end.get("exception") or "").strip().splitlines()[-1:] or [""]
-        if last_line[0].startswith("KeyboardInterrupt"):  # Ctrl-C (SIGINT): often a job that hung
-            out.append(
-                finding(
-                    "ended",
-                    PROBLEM,
-                    f"rank {rank} was interrupted (SIGINT: KeyboardInterrupt) after {r['steps']} steps",
-                    f"fsdp-replay desync {q}",
-                    rank=rank,
-                    step=max(r["steps"] - 1, 0),
-                )
-            )
-        elif end.get("exception"):
-            out.append(
-                finding(
-                    "ended",
-                    PROBLEM,
-                    f"rank {rank} ended with an uncaught exception after {r['steps']} steps: "
-                    f"{last_line[0][:300]}",
-                    rank_replay(r, q),
-                    rank=rank,
-                    step=max(r["steps"] - 1, 0),
-                )
-            )
-        elif end.get("reason") not in (None, "exit"):
-            out.append(
-                finding(
-                    "ended",
-                    PROBLEM,
-                    f"rank {rank} was stopped by {end['reason']} after {r['steps']} steps",
-                    f"fsdp-replay desync {q}",
-                    rank=rank,
-                    step=max(r["steps"] - 1, 0),
-                )
-            )
     for i, oom in enumerate((r.get("memory") or {}).get("ooms") or []):
         out.append(
             finding(
