@@ -217,7 +217,9 @@ def finish_report(report_path: Path, code: int, notes: list[str], stopped: int |
         + (f" ({REPORT_JSON}, {REPORT_TXT}, {REPLAY_PNG})" if plotted else ""),
         file=sys.stderr,
     )
-    verdicts = {"bit-exact": ExitCode.OK, "diverged": ExitCode.FOUND, "interrupted": ExitCode.INTERRUPTED}
+    if report.get("status") == "interrupted":  # the shell's code of the signal passed on (Ctrl-C: 130)
+        return ExitCode.killed_by(stopped) if stopped is not None else ExitCode.INTERRUPTED
+    verdicts = {"bit-exact": ExitCode.OK, "diverged": ExitCode.FOUND}
     return verdicts.get(str(report.get("status")), ExitCode.UNUSABLE)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -62,3 +63,36 @@ def test_one_interrupted_rank_makes_an_all_rank_replay_interrupted() -> None:
     ranks = [{"rank": 0, "status": "bit-exact"}, {"rank": 1, "status": "interrupted"}]
     assert merge_reports(ranks, 2)["status"] == "interrupted"
     assert merge_reports(ranks[:1], 2)["status"] == "incomplete"
+
+
+def test_a_program_that_ends_early_when_stopped_is_interrupted_not_diverged(tmp_path: Path) -> None:
+    """A trainer that catches SIGTERM and returns: the replay saw an early end, which the command
+    line (that passed the signal on) reports as a stop, with the shell's code of that signal."""
+    import json
+    import signal
+
+    from fsdp_replay.cli.replay import finish_report
+
+    def report(status: str, name: str = "") -> Path:
+        path = tmp_path / (name or status) / "report.json"
+        path.parent.mkdir()
+        ended = {"kind": "ended_early", "step": 3, "micro": 0, "seq": 60, "what": "the program ended early"}
+        doc = {
+            "status": status,
+            "rank": 1,
+            "reason": "",
+            "verified_steps": [0, 1, 2],
+            "collectives_verified": 60,
+        }
+        path.write_text(json.dumps({**doc, "first_divergence": ended, "divergences": [ended]}))
+        return path
+
+    path = report("diverged")
+    assert finish_report(path, 0, [], signal.SIGTERM) == 128 + signal.SIGTERM
+    doc = json.loads(path.read_text())
+    assert doc["status"] == "interrupted" and doc["first_divergence"] is None
+    assert doc["reason"].startswith("stopped by SIGTERM at step 3 after 60 collectives")
+    assert finish_report(report("interrupted"), 130, []) == ExitCode.INTERRUPTED  # Ctrl-C, not passed on
+    assert (
+        finish_report(report("diverged", "not-stopped"), 0, []) == ExitCode.FOUND
+    )  # no stop: an early end is a divergence
