@@ -61,6 +61,7 @@ class Replayer:
         self.rank = int(os.environ.get("RANK", config.rank)) if self.live else config.rank
         self.notes: list[str] = []
         self.program_error: str | None = None  # an exception the program did not catch
+        self.program_error_files: list[str] = []  # the files of its traceback's frames
         self.ops: OpCheck | None = None
         self.trace = Trace.open(config.trace)
         self.rec = RankRecord(self.trace, self.rank)
@@ -478,6 +479,34 @@ class Replayer:
             flush=True,
         )
 
+    def _error_reason(self) -> str:
+        """Why an uncaught exception of the replayed program is an error, not a finding; where an
+        input the recorded run read (its script, say, replayed with --force) changed since, the
+        likely cause: a changed file its traceback passes through first."""
+        head = (
+            f"the replayed program raised {self.program_error} at step {self.step} after {self.seq} "
+            "collectives, while every check so far matched the record; the recorded rank went on."
+        )
+        tail = "(the traceback is in the program's output above)"
+        changed = list(getattr(self, "changed_inputs", None) or [])
+        frames = {os.path.realpath(f) for f in self.program_error_files}
+        changed.sort(key=lambda c: os.path.realpath(c["path"]) not in frames)
+        if not changed:
+            return (
+                f"{head} This is the replay's environment or a replay defect, not a finding about the "
+                f"recorded run {tail}"
+            )
+        c = changed[0]
+        where = (
+            " and the exception's traceback passes through it"
+            if os.path.realpath(c["path"]) in frames
+            else ""
+        )
+        return (
+            f"{head} Likely cause: {c['path']} changed since the recording ({c['what']}){where}; a "
+            f"replay of changed code or inputs is not a finding about the recorded run {tail}"
+        )
+
     def finish(self, status: str, code: int, reason: str | None = None) -> None:
         """Write report.json; leave the process now unless the program is ending by itself.
 
@@ -502,12 +531,7 @@ class Replayer:
                     f"stopped by Ctrl-C (SIGINT) at step {self.step} after {self.seq} collectives: no verdict"
                 )
             if status == "error":
-                reason = (
-                    f"the replayed program raised {self.program_error} at step {self.step} after "
-                    f"{self.seq} collectives, while every check so far matched the record; the recorded "
-                    "rank went on. This is the replay's environment or a replay defect, not a finding "
-                    "about the recorded run (the traceback is in the program's output above)"
-                )
+                reason = self._error_reason()
         with contextlib.suppress(Exception):  # a replay that stopped before its first step
             self.key.at_start()
         if missed := env_watch.missed():
@@ -600,6 +624,9 @@ def attach_replay(config: ReplayConfig) -> Replayer:
         where = traceback.extract_tb(tb)[-1] if tb is not None else None
         at = f" ({where.filename}:{where.lineno})" if where is not None else ""
         replayer.program_error = f"{kind.__name__}: {str(exc)[:300]}{at}"
+        replayer.program_error_files = (
+            [f.filename for f in traceback.extract_tb(tb)] if tb is not None else []
+        )
         chained(kind, exc, tb)
 
     sys.excepthook = excepthook  # an exception the program did not catch: finish() says so

@@ -203,9 +203,18 @@ def test_a_different_script_world_size_or_torch_refuses_to_start(tmp_path: Path)
         [*CLI, "record", "--out", str(out), "--", *torchrun_cmd(2, script, "--steps", "2", *SMALL)],
         env=child_env(),
     )
-    script.write_text(script.read_text() + "\n# edited after the recording\n")
+    backward = "                loss.backward()\n"
+    assert backward in script.read_text()
+    script.write_text(
+        script.read_text().replace(backward, "                raise RuntimeError('an edit')\n" + backward, 1)
+    )
     _, text, code = replay(out, 0)
     assert code == 3 and "is not the script that was recorded" in text and "Traceback" not in text
+    # --force runs it: the edit's exception is an error whose likely cause is the edited script
+    doc, text, code = replay(out, 0, "--force")
+    assert code == 3 and doc["status"] == "error", text
+    assert f"Likely cause: {script} changed since the recording" in doc["reason"], doc["reason"]
+    assert "traceback passes through it" in doc["reason"] and "replay defect" not in doc["reason"]
     shutil.copy(EXAMPLE, script)  # the recorded script again
     import sys
 
