@@ -57,6 +57,11 @@ class Divergence:
         return d
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 step``, ``2 steps``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def magnitude(expected: Any, actual: Any) -> dict[str, Any] | None:
     """How far the replay's tensor (``actual``) is from the recorded one (``expected``): the one
     ``analysis.payloads.magnitude``, on their bytes (``a`` is the record, ``b`` the replay)."""
@@ -101,8 +106,8 @@ def _fast_forward_lines(report: dict[str, Any]) -> list[str]:
     how = f"steps 0..{computed - 1} computed" if computed else "no step computed up front"
     if skipped:
         how += (
-            f"; {skipped} steps run without kernels ({ff['root_calls_skipped']} model calls answered with "
-            "placeholders)"
+            f"; {_count(skipped, 'step')} run without kernels ({_count(ff['root_calls_skipped'], 'model call')} "
+            "answered with placeholders)"
         )
     late = ff.get("steps_computed_for_new_inputs")
     if late:

@@ -96,3 +96,13 @@ def test_a_program_that_ends_early_when_stopped_is_interrupted_not_diverged(tmp_
     assert (
         finish_report(report("diverged", "not-stopped"), 0, []) == ExitCode.FOUND
     )  # no stop: an early end is a divergence
+
+
+def test_the_fast_forward_line_counts_one_step_and_one_call_in_the_singular() -> None:
+    ff = {"to_step": 3, "computed_steps": 2, "skipped_steps": 1, "root_calls_skipped": 1, "seconds": 0.1}
+    base = {"status": "bit-exact", "rank": 1, "reason": "", "verified_steps": [3], "collectives_verified": 4}
+    text = render_text({**base, "fast_forward": ff})
+    assert "1 step run without kernels (1 model call answered with placeholders)" in text, text
+    ff = {**ff, "skipped_steps": 898, "root_calls_skipped": 1796}
+    text = render_text({**base, "fast_forward": ff})
+    assert "898 steps run without kernels (1796 model calls answered" in text, text
