@@ -22,14 +22,16 @@ from fsdp_replay.analysis.columns import (
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.ops import SAME_SHAPE_OPS
 from fsdp_replay.trace.reader import RankTrace
-from fsdp_replay.trace.schema import ROLE_INPUT
+from fsdp_replay.trace.schema import ROLE_INPUT, ROLE_OBJECTS
 
 
 def signatures(
     r: RankTrace, co: Colls, op_gid: np.ndarray, red_gid: np.ndarray, dt_lut: np.ndarray
 ) -> np.ndarray:
     """A uint64 per collective (issue order) over op, reduce op, tensor count, roles, dtypes, and
-    the shapes of ops whose shapes agree across the group."""
+    the shapes of ops whose shapes agree across the group; never the shape of an object
+    collective's ``objects sent`` row, which is each rank's own (a broadcast's receivers send
+    none, an ``all_gather_object``'s ranks each their own objects)."""
     n = len(co)
     t = r.tensors
     sig = np.zeros(n, dtype=np.uint64)
@@ -43,7 +45,7 @@ def signatures(
             t["role"][rows].astype(np.uint64) * np.uint64(7919) + dt_lut[t["dtype"][rows]].astype(np.uint64)
         )
         sh = shape_hashes(r, t["shape_start"][rows], t["ndim"][rows])
-        th = np.where(strict[co.op[pos]], th ^ sh, th)
+        th = np.where(strict[co.op[pos]] & (t["role"][rows] != ROLE_OBJECTS), th ^ sh, th)
         np.add.at(sig, pos, mix64(th ^ mix64(idx.astype(np.uint64))))
     head = (
         op_gid.astype(np.uint64) * np.uint64(0x100000001B3)
@@ -101,7 +103,7 @@ class RankCtx:
         dts = r.names("dtype")
         parts = []
         for row in range(start, start + count):
-            role = "i" if int(t["role"][row]) == ROLE_INPUT else "o"
+            role = {ROLE_INPUT: "i", ROLE_OBJECTS: "j"}.get(int(t["role"][row]), "o")
             parts.append(
                 f"{role}:{name_of(dts, int(t['dtype'][row]))}{fmt_shape(r, t['shape_start'][row], t['ndim'][row])}"
             )
