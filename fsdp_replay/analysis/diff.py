@@ -96,6 +96,13 @@ def _rank_diff(ra: RankTrace, rb: RankTrace, intern: Interner, with_magnitude: b
     }
 
 
+def batch_name(ev: dict[str, Any]) -> str:
+    """``batch 0 of DataLoader iterator #1``: a divergent batch, by its iterator (an evaluation
+    loop's is not the training loop's)."""
+    it = f" of DataLoader iterator #{ev['loader']}" if ev.get("loader") is not None else ""
+    return f"batch {ev.get('batch_index')}{it}"
+
+
 def describe(ev: dict[str, Any]) -> str:
     kind = ev["kind"]
     where = f"step {ev['step']}" + (f" micro-batch {ev['micro']}" if ev.get("micro") is not None else "")
@@ -110,7 +117,7 @@ def describe(ev: dict[str, Any]) -> str:
     if kind == "step structure":
         return f"steps differ in structure at {where}: A {ev['a']} vs B {ev['b']}"
     if kind.startswith("batch"):
-        return f"batch {ev.get('batch_index')} of {where}" + (
+        return f"{batch_name(ev)} at {where}" + (
             f", tensor {ev['tensor_index']}" if ev.get("tensor_index") is not None else " (structure)"
         )
     if kind == "collective sequence":

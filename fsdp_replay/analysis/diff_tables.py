@@ -363,6 +363,7 @@ def diff_batches(a: Side, b: Side) -> dict[str, Any]:
         "role": None,
         "tensor_index": None if k is None else int(ra[k] - ba["tensor_start"][q]),
         "batch_index": int(ba["index"][q]),
+        "loader": int(ba["loader"][q]),
     }
     if k is not None:
         ta, tb = a.r.batch_tensors, b.r.batch_tensors

@@ -129,7 +129,7 @@ def _first_nonfinite(r: RankTrace, pgn: dict[int, str]) -> tuple[tuple[float, ..
             s, m = int(b["step"][brow]), int(b["micro"][brow])
             ev = {"kind": "batch", "step": s, "micro": m, "seq": None, "op": None, "pg": None, "pg_id": None}
             ev.update({"role": None, "tensor_index": trow - int(b["tensor_start"][brow])})
-            ev["batch_index"] = int(b["index"][brow])
+            ev["batch_index"], ev["loader"] = int(b["index"][brow]), int(b["loader"][brow])
             cands.append(((s, m, -1.0, 0), ev))
     if not cands:
         return None

@@ -141,7 +141,10 @@ def _event_lines(ev: dict[str, Any]) -> list[str]:
             f"first #{ev['tensor_index']}{name}: fp {ev['fp_a']} vs {ev['fp_b']}"
         ]
     if kind.startswith("batch"):
-        return [f"{where}: batch {ev.get('batch_index')} differs ({kind})"]
+        from fsdp_replay.analysis.diff import batch_name
+
+        what = f"tensor {ev['tensor_index']}" if ev.get("tensor_index") is not None else "its structure"
+        return [f"{where}: {batch_name(ev)} differs ({what})"]
     if "a" in ev and "b" in ev and isinstance(ev["a"], dict):
         return [f"{where}, seq {ev['seq']}: {kind}", f"  A: {ev['a']}", f"  B: {ev['b']}"]
     lines = [

@@ -389,3 +389,14 @@ def test_wallclock_noise_diverges_at_its_step(
     data = json.loads(out)
     assert code == 1 and [pr["rank"] for pr in data["ranks"]] == [0]
     assert data["first"]["rank"] == 0 and data["first"]["seq"] == f0["seq"]
+
+
+def test_a_divergent_batch_is_named_by_its_dataloader_iterator() -> None:
+    from fsdp_replay.analysis.diff import describe
+    from fsdp_replay.cli.analyze import _event_lines
+
+    ev = {"kind": "batch", "step": 3, "micro": 0, "batch_index": 0, "loader": 1, "tensor_index": 0}
+    assert describe(ev) == "batch 0 of DataLoader iterator #1 at step 3 micro-batch 0, tensor 0"
+    assert _event_lines(ev) == ["step 3 micro 0: batch 0 of DataLoader iterator #1 differs (tensor 0)"]
+    ev = {**ev, "kind": "batch structure", "tensor_index": None}
+    assert _event_lines(ev) == ["step 3 micro 0: batch 0 of DataLoader iterator #1 differs (its structure)"]
