@@ -6,11 +6,14 @@ one of "ended", "nonfinite", "desync", "hang", "payloads_dropped", "agent_error"
 "restarted", "compiled", "oom", "state" (a rank's answer to a dump request), "ok"; ``severity``
 "problem" (the run failed there), "warning" (the record or a replay is weaker for it) or "info"; ``rank``/``step``/``seq``/``op`` where they
 apply (None otherwise); ``next`` the command line to run, with ``RUN`` as the user named it.
-Problems come first, in the order they happened.
+Problems come first, in the order they happened. A rank that died of a peer's end (gloo's
+"Connection closed by peer", NCCL's aborted communicator) while another rank ended for a reason of
+its own is a warning naming that rank: one crash in a 512-rank job is one problem, not 512.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 
@@ -22,6 +25,33 @@ from fsdp_replay.analysis.state_dumps import rank_states
 from fsdp_replay.trace.reader import Trace
 
 PROBLEM, WARNING, INFO = "problem", "warning", "info"
+
+# An exception a rank meets because a peer's process ended (gloo's and NCCL's words for it): when
+# another rank ended otherwise, that rank's end is the cause and this one a consequence.
+PEER_ENDED = re.compile(
+    r"connection closed by peer|connection reset by peer|remote worker crash|remote process exited"
+    r"|communicator was aborted|broken pipe",
+    re.IGNORECASE,
+)
+
+
+def _peer_ended(r: dict[str, Any]) -> bool:
+    """Rank summary ``r`` ended with an exception raised because a peer's process ended."""
+    return bool(PEER_ENDED.search(str((r.get("end") or {}).get("exception") or "")))
+
+
+def _causes(per_rank: list[dict[str, Any]]) -> list[int]:
+    """The ranks whose records end badly for a reason of their own (an exception other than a
+    peer's end, or no end at all: killed or crashed), the candidates for what the peers' connection
+    errors followed from."""
+    return [
+        r["rank"]
+        for r in per_rank
+        if r.get("end") is None
+        or (
+            (r["end"].get("exception") or r["end"].get("reason") not in (None, "exit")) and not _peer_ended(r)
+        )
+    ]
 
 
 def state_findings(trace: Trace, ranks: list[int] | None, q: str) -> list[dict[str, Any]]:
@@ -124,8 +154,9 @@ def findings(
                 )
             )
     out += state_findings(trace, ranks, q)
+    causes = _causes(summary["per_rank"])
     for r in summary["per_rank"]:
-        out += _rank_findings(r, q)
+        out += _rank_findings(r, q, [rk for rk in causes if rk != r["rank"]] if _peer_ended(r) else [])
     out += flight_findings(summary["per_rank"], q)
     code = (summary.get("run") or {}).get("exit_code")
     if code not in (None, 0) and not any(f["kind"] == "ended" and f["severity"] == PROBLEM for f in out):
@@ -210,7 +241,9 @@ def rank_replay(r: dict[str, Any], q: str) -> str:
     return cmd
 
 
-def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
+def _rank_findings(r: dict[str, Any], q: str, caused_by: list[int] | None = None) -> list[dict[str, Any]]:
+    """``caused_by``: the ranks whose end this rank's connection error followed from (then its end
+    is a warning that names them, not a problem of its own)."""
     rank = r["rank"]
     out = []
     end = r.get("end")
@@ -231,11 +264,12 @@ def _rank_findings(r: dict[str, Any], q: str) -> list[dict[str, Any]]:
     elif end.get("reason") not in (None, "exit"):
         ended = (f"was stopped by {end['reason']} after {r['steps']} steps", f"fsdp-replay desync {q}")
     if ended is not None:
-        out.append(
-            finding(
-                "ended", PROBLEM, f"rank {rank} {ended[0]}", ended[1], rank=rank, step=max(r["steps"] - 1, 0)
-            )
-        )
+        severity, message = PROBLEM, f"rank {rank} {ended[0]}"
+        if caused_by and end is not None and end.get("exception"):
+            who = f"rank {caused_by[0]}'s" if len(caused_by) == 1 else f"ranks {caused_by}'"
+            severity = WARNING
+            message += f": a peer's process ended under it, most likely a consequence of {who} end (above)"
+        out.append(finding("ended", severity, message, ended[1], rank=rank, step=max(r["steps"] - 1, 0)))
     for i, oom in enumerate((r.get("memory") or {}).get("ooms") or []):
         out.append(
             finding(

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_replay.analysis.findings import _rank_findings, flight_findings, rank_replay, replay_through
+from fsdp_replay.analysis.findings import (
+    PROBLEM,
+    WARNING,
+    _causes,
+    _peer_ended,
+    _rank_findings,
+    flight_findings,
+    rank_replay,
+    replay_through,
+)
 
 
 def _rank(rank: int, *, killed: bool, with_payload: int) -> dict[str, Any]:
@@ -92,3 +101,27 @@ def test_an_interrupted_rank_leads_to_desync_and_a_crash_to_its_replay() -> None
     crash = ended("Traceback (most recent call last):\n  ...\nRuntimeError: boom\n")
     assert crash["message"].endswith("uncaught exception after 48 steps: RuntimeError: boom")
     assert crash["next"] == "fsdp-replay replay run --rank 0"
+
+
+def test_a_rank_that_lost_its_peer_is_a_consequence_of_the_rank_that_raised() -> None:
+    def rank(rk: int, exception: str | None, killed: bool = False) -> dict[str, Any]:
+        r = _rank(rk, killed=killed, with_payload=969)
+        if exception is not None:
+            r["end"] = {"reason": "exit", "exception": exception}
+        return r
+
+    gloo = "RuntimeError('[../pair.cc:553] Connection closed by peer [127.0.0.1]:30123. This is typically caused by a remote worker crashing.')"
+    nccl = "torch.distributed.DistBackendError: NCCL communicator was aborted on rank 2."
+    ranks = [rank(0, gloo), rank(1, "ValueError('boom at step 5')"), rank(2, nccl), rank(3, None)]
+    assert [_peer_ended(r) for r in ranks] == [True, False, True, False]
+    assert _causes(ranks) == [1]
+    (cause,) = [f for f in _rank_findings(ranks[1], "run", []) if f["kind"] == "ended"]
+    assert cause["severity"] == PROBLEM and "ValueError" in cause["message"]
+    (lost,) = [f for f in _rank_findings(ranks[0], "run", [1]) if f["kind"] == "ended"]
+    assert lost["severity"] == WARNING, lost
+    assert lost["message"].endswith("most likely a consequence of rank 1's end (above)")
+    # a killed rank is a cause too; where every rank only lost a peer, each stays a problem
+    assert _causes([rank(0, gloo), rank(1, None, killed=True)]) == [1]
+    assert _causes([rank(0, gloo), rank(1, nccl)]) == []
+    (alone,) = [f for f in _rank_findings(ranks[0], "run", []) if f["kind"] == "ended"]
+    assert alone["severity"] == PROBLEM
