@@ -140,6 +140,16 @@ def _group_mismatch(
     if suspects:
         message += f" (suspect: {_plural(suspects)}"
         devs = [deviations[rk] for rk in suspects if rk in deviations]
+        if kind == "missing":
+            # A step unlike the one before explains the disagreement only where it departs after the
+            # group's last agreed collective; before it, the ranks did the same (an evaluation loop's
+            # step differs from a training step's for every rank).
+            agreed = {
+                rk: int(ctxs[rk].co.seq[sels[rk][p - 1]]) if 0 < p <= lens[rk] else -1 for rk in suspects
+            }
+            devs = [
+                deviations[rk] for rk in suspects if rk in deviations and deviations[rk]["seq"] > agreed[rk]
+            ]
         if devs:
             message += f"; {devs[0]['message']}"
         message += ")"

@@ -183,25 +183,26 @@ def deviation(ctx: RankCtx, intern: Interner) -> dict[str, Any] | None:
     """
     co = ctx.co
     steps = co.step.tolist()
-    pat = list(zip(steps, ctx.op_gid.tolist(), co.pg.tolist(), strict=True))
+    pat = list(zip(steps, ctx.op_gid.tolist(), co.pg.tolist(), co.seq.tolist(), strict=True))
     if ctx.inflight is not None:
-        pat.append((ctx.inflight["step"], ctx.inflight_gid, ctx.inflight_pg))
+        pat.append((ctx.inflight["step"], ctx.inflight_gid, ctx.inflight_pg, ctx.inflight["seq"]))
     if not pat:
         return None
     last = pat[-1][0]
     if last - 1 < 1:
         return None
-    cur = [(o, g) for s, o, g in pat if s == last]
-    prev = [(o, g) for s, o, g in pat if s == last - 1]
+    cur = [(o, g, q) for s, o, g, q in pat if s == last]
+    prev = [(o, g) for s, o, g, _ in pat if s == last - 1]
     if not prev:
         return None
     names = {v: k for k, v in intern.ids.items()}
-    for i, (o, g) in enumerate(cur):
+    for i, (o, g, q) in enumerate(cur):
         if i >= len(prev) or prev[i] != (o, g):
             exp = None if i >= len(prev) else {"op": names.get(prev[i][0]), "pg": ctx.pgn.get(prev[i][1])}
             return {
                 "step": last,
                 "index": i,
+                "seq": int(q),
                 "expected": exp,
                 "got": {"op": names.get(o), "pg": ctx.pgn.get(g, str(g))},
                 "message": f"collective {i} of step {last} is {names.get(o)} on pg {ctx.pgn.get(g, g)}"

@@ -223,6 +223,8 @@ def _assert_rank1_skipped_the_loss_allreduce(rep: dict[str, Any], at_step: int) 
     assert ranks[0]["deviation"] is None
     assert ranks[0]["steps_done"] == ranks[1]["steps_done"] == at_step
     assert "rank 1 never did" in mm["message"] and f"position {at_step - 1}" in mm["message"]
+    # its step unlike the one before, where it departs: what it did instead of the all_reduce
+    assert f"; in step {at_step - 1} it was allreduce_" in mm["message"], mm["message"]
 
 
 @pytest.mark.slow
@@ -260,6 +262,29 @@ def test_desync_of_a_hang_killed_by_the_pg_timeout(
     assert found[0]["severity"] == "problem" and "ok" not in {f["kind"] for f in found}
     # a hang is not a NaN
     assert nonfinite_origin(open_trace(run_dir)) is None
+
+
+@pytest.mark.slow
+def test_a_stalled_ranks_evaluation_step_is_not_blamed_for_the_hang(tmp_path: Path) -> None:
+    """Rank 1 stops after an evaluation (more collectives than a training step, on every rank):
+    desync names it, and does not offer that step's difference from the one before as the why."""
+    out = tmp_path / "stall"
+    workload = REPO / "tests" / "workloads" / "eval_stall.py"
+    cmd = [
+        *CLI,
+        "record",
+        "--out",
+        str(out),
+        *NO_PAYLOADS,
+        "--",
+        *torchrun_cmd(2, workload, "--stall-s", "20"),
+    ]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    mm = desync_report(open_trace(out))["first_mismatch"]
+    assert mm is not None and mm["kind"] == "missing" and mm["never"] == [1] and mm["suspects"] == [1]
+    assert mm["entries"]["0"]["op"] == "allreduce_" and mm["entries"]["0"]["step"] == 3
+    assert mm["message"].endswith("(suspect: rank 1)"), mm["message"]
 
 
 @pytest.mark.slow
