@@ -63,7 +63,12 @@ def _uncaught_exception() -> str | None:
     """The exception the program is dying of, when ``finish`` runs at exit after one: Python
     stores it in ``sys.last_exc``/``sys.last_value`` before printing it and running atexit."""
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    return None if exc is None else repr(exc)[:500]
+    if exc is None:
+        return None
+    text = repr(exc)
+    # A long one keeps its end too: a DataLoader worker's error, re-raised here, ends with the
+    # original error after the worker's traceback.
+    return text if len(text) <= 500 else f"{text[:240]} ... {text[-255:]}"
 
 
 class Recorder:

@@ -22,6 +22,7 @@ from fsdp_replay.analysis.desync import desync_report
 from fsdp_replay.analysis.memory import oom_message
 from fsdp_replay.analysis.nonfinite import nonfinite_origin
 from fsdp_replay.analysis.state_dumps import rank_states
+from fsdp_replay.trace.completeness import exception_text
 from fsdp_replay.trace.reader import Trace
 
 PROBLEM, WARNING, INFO = "problem", "warning", "info"
@@ -247,7 +248,7 @@ def _rank_findings(r: dict[str, Any], q: str, caused_by: list[int] | None = None
     rank = r["rank"]
     out = []
     end = r.get("end")
-    last_line = (str((end or {}).get("exception") or "").strip().splitlines() or [""])[-1]
+    last_line = exception_text(str((end or {}).get("exception") or ""))
     ended: tuple[str, str] | None = None  # how the rank ended, if not well; what to run next
     if end is None:
         ended = (f"did not finish recording (killed or crashed) after {r['steps']} steps", rank_replay(r, q))
@@ -258,7 +259,7 @@ def _rank_findings(r: dict[str, Any], q: str, caused_by: list[int] | None = None
         )
     elif end.get("exception"):
         ended = (
-            f"ended with an uncaught exception after {r['steps']} steps: {last_line[:300]}",
+            f"ended with an uncaught exception after {r['steps']} steps: {last_line}",
             rank_replay(r, q),
         )
     elif end.get("reason") not in (None, "exit"):

@@ -42,6 +42,7 @@ from fsdp_replay.replayer.reach import Reach
 from fsdp_replay.replayer.report import KIND_TEXT, Divergence, build_report
 from fsdp_replay.replayer.serve import BatchServer
 from fsdp_replay.replayer.tape import ReplayTape, attach_tape
+from fsdp_replay.trace.completeness import exception_text
 from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
 from fsdp_replay.trace.reader import Trace
 
@@ -571,8 +572,8 @@ class Replayer:
         if self.step != int(end.get("steps", -1)) or self.seq != len(self.rec.colls):
             return False
         self.notes.append(
-            f"the program raised {(self.program_error or '').split(' (', 1)[0]} after step {self.step - 1}, as the "
-            f"recorded rank did ({recorded[:200]}): the replay reproduced the failure"
+            f"the program raised {kind} after step {self.step - 1}, as the "
+            f"recorded rank did ({exception_text(recorded)}): the replay reproduced the failure"
         )
         return True
 
@@ -623,7 +624,7 @@ def attach_replay(config: ReplayConfig) -> Replayer:
     def excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         where = traceback.extract_tb(tb)[-1] if tb is not None else None
         at = f" ({where.filename}:{where.lineno})" if where is not None else ""
-        replayer.program_error = f"{kind.__name__}: {str(exc)[:300]}{at}"
+        replayer.program_error = f"{exception_text(f'{kind.__name__}: {exc}')}{at}"
         replayer.program_error_files = (
             [f.filename for f in traceback.extract_tb(tb)] if tb is not None else []
         )

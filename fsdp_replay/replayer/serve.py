@@ -133,7 +133,14 @@ class BatchServer:
         (a killed run) the replay ends there, with what it verified; an iterable dataset of a
         whole record ended where the recording's did; anything else is a replay defect."""
         if self.record_ended is not None:
-            self.record_ended(f"before batch {n} (the recording holds {len(self.rec.batches)})")
+            died = str((self.rec.attrs.get("end") or {}).get("exception") or "")
+            hint = (
+                "; the recorded rank died in a DataLoader worker loading it: --data live runs the "
+                "program's own DataLoader, which may raise it again"
+                if "DataLoader worker" in died
+                else ""
+            )
+            self.record_ended(f"before batch {n} (the recording holds {len(self.rec.batches)}){hint}")
         if not map_style:
             raise StopIteration
         from fsdp_replay.errors import TraceIncompleteError

@@ -22,6 +22,9 @@ format 3, ``of_rank`` derives the same from the rank's end event and damage list
 
 from __future__ import annotations
 
+import ast
+import re
+import warnings
 from bisect import bisect_right, insort
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -223,12 +226,48 @@ def assess(
     return p.assess(tracker, end, attempts)
 
 
+_REPR = re.compile(r"^([A-Za-z_][\w.]*)\((['\"])(.*)\2\)$", re.DOTALL)
+_REPR_CUT = re.compile(r"^([A-Za-z_][\w.]*)\((['\"])(.*)$", re.DOTALL)  # older agents kept 500 characters
+_ERROR_LINE = re.compile(r"^\s*[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+
+
+def _unescape(body: str, quote: str) -> str:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an escape cut in two by the agent's shortening
+            return str(ast.literal_eval(quote + body + quote))
+    except (ValueError, SyntaxError):
+        return body.replace("\\n", "\n").replace("\\" + quote, quote)
+
+
+def exception_text(recorded: str, limit: int = 300) -> str:
+    """One line for an exception the agent recorded as its ``repr`` (``end.exception``, or a
+    traceback's text): ``Name: message``, its escapes undone. One carrying another's traceback in
+    its message (a DataLoader worker's error, re-raised in the main process) shows its first line
+    and the original error; a traceback, its error line. At most ``limit`` characters."""
+    text = recorded.strip()
+    m = _REPR.match(text) or _REPR_CUT.match(text)
+    if m is not None:
+        message = _unescape(m.group(3), m.group(2))
+        text = f"{m.group(1)}: {message}" if message else m.group(1)
+    elif re.match(r"^[A-Za-z_][\w.]*\(\)$", text):
+        text = text[:-2]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if len(lines) > 1:
+        errors = [ln for ln in lines[1:] if _ERROR_LINE.match(ln)]
+        if lines[0].startswith("Traceback"):
+            text = errors[-1] if errors else lines[-1]
+        else:
+            text = lines[0] + (f" (original: {errors[-1]})" if errors else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _abnormal_end(end: Mapping[str, Any]) -> str | None:
     """Why a process that closed its spool still did not finish its program, or None."""
     if end.get("reason") not in (None, "exit"):
         return f"the process was stopped by {end['reason']}"
     if end.get("exception"):
-        return f"the process died of {end['exception']}"
+        return f"the process died of {exception_text(str(end['exception']))}"
     inflight = end.get("inflight")
     if isinstance(inflight, dict):
         return (
