@@ -91,7 +91,12 @@ def activate() -> None:
     if config is None:
         return
     if "multiprocessing-fork" in " ".join(sys.argv):
-        return  # a multiprocessing child (spawn/forkserver): its parent is the rank
+        # A multiprocessing child (spawn/forkserver): a DataLoader worker, whose parent is the rank,
+        # or a rank that torch.multiprocessing.spawn started, which is not recorded: say so where it
+        # joins a process group, so that `record` can tell the user why nothing was recorded.
+        if config.mode == "record":
+            sys.meta_path.insert(0, AfterImport("torch", lambda _m: _flag_spawned_rank(str(config.out))))
+        return
     redacted = str(getattr(config, "redacted_env", "") or "") if replaying else ""
     if redacted:
         from fsdp_replay.replayer import env_watch  # before the program's first line reads one
@@ -105,6 +110,25 @@ def activate() -> None:
         attach(config)
     else:
         sys.meta_path.insert(0, AfterImport("torch", on_torch))
+
+
+def _flag_spawned_rank(out: str) -> None:
+    """In a multiprocessing child: leave an attach marker saying ``SPAWNED_RANK`` when it calls
+    ``torch.distributed.init_process_group`` (a DataLoader worker never does), then go on."""
+    try:
+        import torch.distributed as dist
+
+        from fsdp_replay.trace.layout import SPAWNED_RANK
+
+        original = dist.init_process_group
+
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            mark_attached(out, error=SPAWNED_RANK)
+            return original(*args, **kwargs)
+
+        dist.init_process_group = init_process_group  # type: ignore[assignment]
+    except Exception as e:  # recording must never stop the program
+        log.debug("fsdp-replay: could not watch a multiprocessing child: %r", e)
 
 
 def mark_attached(out: str, error: str | None = None) -> None:

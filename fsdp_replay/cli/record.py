@@ -15,7 +15,7 @@ from fsdp_replay.cli.render import print_collect
 from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError, TraceNotFoundError
 from fsdp_replay.options import env_option, usage_with_command
 from fsdp_replay.trace import schema, spool
-from fsdp_replay.trace.layout import ATTACHED_DIR, RUN_JSON, atomic_write, attached_dir
+from fsdp_replay.trace.layout import ATTACHED_DIR, RUN_JSON, SPAWNED_RANK, atomic_write, attached_dir
 
 
 def _wants_cxx_kernel(args: argparse.Namespace) -> bool:
@@ -190,6 +190,15 @@ def nothing_recorded(out: Path, code: int | None, *, output_above: bool = True) 
         return (
             f"the command recorded nothing{f' (exit code {code})' if code is not None else ''}: "
             "no Python process of it imported torch with the agent enabled"
+        )
+    spawned = [m for m in markers if m.get("error") == SPAWNED_RANK]
+    if spawned:
+        return (
+            f"the command recorded nothing: its ranks ({len(spawned)} processes) were started by "
+            "torch.multiprocessing (mp.spawn), which fsdp-replay does not record (a single-rank replay "
+            "could not start one of them alone); launch them with torchrun (`torchrun --nproc_per_node N "
+            "script.py`, each rank reading RANK, WORLD_SIZE and LOCAL_RANK from its environment)"
+            + (f"; {exited}" if exited else "")
         )
     programs = [m for m in markers if not _is_launcher(m)]
     if not programs:

@@ -40,6 +40,13 @@ def attached_dir(run: str | os.PathLike[str]) -> Path:
     return Path(run) / SPOOL_DIR / ATTACHED_DIR
 
 
+# An attach marker's error from a multiprocessing child that joined a process group (boot/attach.py).
+SPAWNED_RANK = (
+    "a rank started by torch.multiprocessing (mp.spawn, or a spawn/forkserver Process) joined a "
+    "process group: such ranks are not recorded"
+)
+
+
 def attached_marker(run: str | os.PathLike[str], pid: int, host: str) -> Path:
     """The attach marker of process ``pid`` on ``host`` (the host name reduced to a file name's
     characters: several hosts may share one run folder)."""

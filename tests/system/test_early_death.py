@@ -146,3 +146,50 @@ def test_record_of_a_command_without_torch_keeps_the_old_message(tmp_path: Path)
 def test_record_of_a_command_that_is_not_there_says_so(tmp_path: Path) -> None:
     proc = run([*CLI, "record", "--out", str(tmp_path / "run"), "--", "no-such-command-xyz"], check=False)
     assert proc.returncode == 127 and "command not found: no-such-command-xyz" in proc.stderr, proc.stderr
+
+
+SPAWNED_RANKS = """
+import os
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank, world, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    print(f"rank {rank} summed {t.tolist()}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, int(os.environ["PORT"])), nprocs=2)
+"""
+
+
+@pytest.mark.slow
+def test_ranks_started_by_mp_spawn_are_named_as_not_recorded(tmp_path: Path) -> None:
+    """Ranks that torch.multiprocessing.spawn starts run unrecorded (the agent leaves
+    multiprocessing children alone: most are DataLoader workers); `record` says why nothing was
+    recorded and what to launch them with, not that they never reached a collective."""
+    import socket
+    import sys
+
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED_RANKS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    proc = run(
+        [*CLI, "record", "--out", str(out), "--", sys.executable, str(script)],
+        check=False,
+        timeout=120,
+        env=child_env(PORT=str(port)),
+    )
+    assert "rank 1 summed [2.0, 2.0]" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "its ranks (2 processes) were started by torch.multiprocessing (mp.spawn)" in proc.stderr
+    assert "launch them with torchrun" in proc.stderr and "never reached" not in proc.stderr
+    assert spool.spool_ranks(out / schema.SPOOL_DIR) == {}
