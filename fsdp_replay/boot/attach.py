@@ -126,7 +126,7 @@ def _flag_spawned_rank(out: str) -> None:
             mark_attached(out, error=SPAWNED_RANK)
             return original(*args, **kwargs)
 
-        dist.init_process_group = init_process_group  # type: ignore[assignment]
+        dist.init_process_group = init_process_group
     except Exception as e:  # recording must never stop the program
         log.debug("fsdp-replay: could not watch a multiprocessing child: %r", e)
 
