@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -83,3 +84,20 @@ def test_a_payload_range_is_kept_through_the_end_of_its_unbroken_run() -> None:
     assert spec.kept_through(0) == -1  # not kept: the run ends before it
     assert StepSet.parse("all").kept_through(5) is None and StepSet.parse("window:3").kept_through(5) is None
     assert StepSet.parse("none").kept_through(0) == -1
+
+
+def test_an_unusable_record_out_is_a_bad_option_said_before_anything_runs(tmp_path: Path) -> None:
+    from harness import CLI, child_env, run
+
+    a_file = tmp_path / "train.py"
+    a_file.write_text("print(1)\n")
+    marker = tmp_path / "ran"
+    command = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    for out, said in (
+        (a_file, f"--out {a_file} is a file: give a folder for the run"),
+        (Path("/proc/no-such-run"), "--out /proc/no-such-run: the run folder cannot be made there"),
+    ):
+        proc = run([*CLI, "record", "--out", str(out), *command], check=False, env=child_env(), timeout=60)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and not marker.exists()
+    assert a_file.read_text() == "print(1)\n"

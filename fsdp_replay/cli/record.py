@@ -87,6 +87,12 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{out} already holds a recording; choose another --out (runs are never mixed, nor written over)"
         )
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a folder for the run (made if it does not exist)")
+    try:  # before the agent's libraries are built: a folder that cannot be made says so at once
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: the run folder cannot be made there ({e.strerror or e})") from e
     # a run that recorded nothing there before left only its processes' attach markers: not theirs now
     shutil.rmtree(attached_dir(out), ignore_errors=True)
     config = RecordConfig(
@@ -110,7 +116,6 @@ def cmd_record(args: argparse.Namespace) -> int:
         cxx_kernel_lib=_cxx_kernel() if _wants_cxx_kernel(args) else "",
         cxx_tape_lib=_cxx_tape() if _wants_cxx_tape(args) else "",
     )
-    out.mkdir(parents=True, exist_ok=True)
     env = agent_env(out, config.to_env())
     print(f"fsdp-replay: recording into {out}", file=sys.stderr)
     run: dict[str, Any] = {"command": redact_argv(command), "exit_code": None, "fsdp_replay": __version__}
