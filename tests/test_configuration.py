@@ -8,9 +8,13 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
+
 from fsdp_replay import options
 from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.cli.main import build_parser
+from fsdp_replay.cli.replay import _check_report_dir
+from fsdp_replay.errors import ConfigError
 from fsdp_replay.replayer.config import ReplayConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
@@ -94,10 +98,13 @@ def test_an_unusable_record_out_is_a_bad_option_said_before_anything_runs(tmp_pa
     marker = tmp_path / "ran"
     command = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
     for out, said in (
-        (a_file, f"--out {a_file} is a file: give a folder for the run"),
-        (Path("/proc/no-such-run"), "--out /proc/no-such-run: the run folder cannot be made there"),
+        (a_file, f"--out {a_file} is a file: give a folder"),
+        (Path("/proc/no-such-run"), "--out /proc/no-such-run: the folder cannot be made there"),
     ):
         proc = run([*CLI, "record", "--out", str(out), *command], check=False, env=child_env(), timeout=60)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr and not marker.exists()
+        # a replay's --report likewise, before the replay starts
+        with pytest.raises(ConfigError, match=re.escape(said.replace("--out", "--report"))):
+            _check_report_dir(out, str(tmp_path / "trace.zarr"))
     assert a_file.read_text() == "print(1)\n"

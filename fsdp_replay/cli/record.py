@@ -15,7 +15,14 @@ from fsdp_replay.cli.render import print_collect
 from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError, TraceNotFoundError
 from fsdp_replay.options import env_option, usage_with_command
 from fsdp_replay.trace import schema, spool
-from fsdp_replay.trace.layout import ATTACHED_DIR, RUN_JSON, SPAWNED_RANK, atomic_write, attached_dir
+from fsdp_replay.trace.layout import (
+    ATTACHED_DIR,
+    RUN_JSON,
+    SPAWNED_RANK,
+    atomic_write,
+    attached_dir,
+    output_folder,
+)
 
 
 def _wants_cxx_kernel(args: argparse.Namespace) -> bool:
@@ -87,12 +94,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{out} already holds a recording; choose another --out (runs are never mixed, nor written over)"
         )
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file: give a folder for the run (made if it does not exist)")
-    try:  # before the agent's libraries are built: a folder that cannot be made says so at once
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {out}: the run folder cannot be made there ({e.strerror or e})") from e
+    output_folder(out, "--out")  # before the agent's libraries are built: a bad folder says so at once
     # a run that recorded nothing there before left only its processes' attach markers: not theirs now
     shutil.rmtree(attached_dir(out), ignore_errors=True)
     config = RecordConfig(

@@ -21,6 +21,7 @@ from fsdp_replay.trace.layout import (
     RUN_JSON,
     atomic_write,
     inside_trace,
+    output_folder,
     resolve_trace,
 )
 
@@ -110,6 +111,7 @@ def _check_report_dir(out: Path, trace_url: str) -> None:
         raise ConfigError(
             f"--report {out} holds a recording: choose another folder (a replay never writes over one)"
         )
+    output_folder(out, "--report")
 
 
 def _check_device(device: str | None) -> None:

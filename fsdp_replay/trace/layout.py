@@ -105,6 +105,19 @@ def output_file(path: str, flag: str, traces: tuple[str, ...], suffixes: tuple[s
     return target
 
 
+def output_folder(path: str | os.PathLike[str], flag: str) -> Path:
+    """A folder a command writes into (a run, a replay's report), made now, before any work: a
+    file there, or a folder that cannot be made, is a bad option that says so."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{flag} {path} is a file: give a folder (made if it does not exist)")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: the folder cannot be made there ({e.strerror or e})") from e
+    return target
+
+
 def resolve_trace(path: str) -> str:
     """A run folder (holding ``trace.zarr``) or the trace itself: the trace's location."""
     inner = os.path.join(path, TRACE_DIR)
