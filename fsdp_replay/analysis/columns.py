@@ -222,3 +222,10 @@ def expand(start: np.ndarray, count: np.ndarray) -> np.ndarray:
 def first_true(mask: np.ndarray) -> int | None:
     hit = np.flatnonzero(mask)
     return int(hit[0]) if hit.size else None
+
+
+def batch_name(ev: dict[str, Any]) -> str:
+    """``batch 0 of DataLoader iterator #1``: a divergent batch, by its iterator (an evaluation
+    loop's is not the training loop's)."""
+    it = f" of DataLoader iterator #{ev['loader']}" if ev.get("loader") is not None else ""
+    return f"batch {ev.get('batch_index')}{it}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_replay.analysis.columns import Interner, checked_ranks, record_notes
+from fsdp_replay.analysis.columns import Interner, batch_name, checked_ranks, record_notes
 from fsdp_replay.analysis.diff_tables import (
     attach_magnitude,
     diff_batches,
@@ -94,13 +94,6 @@ def _rank_diff(ra: RankTrace, rb: RankTrace, intern: Interner, with_magnitude: b
         "message": message,
         "_order": order,
     }
-
-
-def batch_name(ev: dict[str, Any]) -> str:
-    """``batch 0 of DataLoader iterator #1``: a divergent batch, by its iterator (an evaluation
-    loop's is not the training loop's)."""
-    it = f" of DataLoader iterator #{ev['loader']}" if ev.get("loader") is not None else ""
-    return f"batch {ev.get('batch_index')}{it}"
 
 
 def describe(ev: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 
 from fsdp_replay.analysis.columns import (
     AFTER_ALL_MICRO,
+    batch_name,
     checked_ranks,
     fmt_shape,
     incomplete_ranks,
@@ -165,7 +166,7 @@ def describe_nonfinite(ev: dict[str, Any]) -> str:
             f"non-finite parameter {ev['tensor_index']}{f' ({name})' if name else ''} after step {ev['step']}"
         )
     if kind == "batch":
-        return f"non-finite batch tensor {ev['tensor_index']} at {where}"
+        return f"non-finite tensor {ev['tensor_index']} of {batch_name(ev)} at {where}"
     tensor = f"{ev['role']} {ev['tensor_index']}"
     if ev.get("dtype") is not None and ev.get("shape") is not None:
         tensor += f" ({ev['dtype']} {list(ev['shape'])})"

@@ -141,7 +141,7 @@ def _event_lines(ev: dict[str, Any]) -> list[str]:
             f"first #{ev['tensor_index']}{name}: fp {ev['fp_a']} vs {ev['fp_b']}"
         ]
     if kind.startswith("batch"):
-        from fsdp_replay.analysis.diff import batch_name
+        from fsdp_replay.analysis.columns import batch_name
 
         what = f"tensor {ev['tensor_index']}" if ev.get("tensor_index") is not None else "its structure"
         return [f"{where}: {batch_name(ev)} differs ({what})"]

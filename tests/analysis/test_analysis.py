@@ -423,5 +423,11 @@ def test_a_divergent_batch_is_named_by_its_dataloader_iterator() -> None:
     ev = {"kind": "batch", "step": 3, "micro": 0, "batch_index": 0, "loader": 1, "tensor_index": 0}
     assert describe(ev) == "batch 0 of DataLoader iterator #1 at step 3 micro-batch 0, tensor 0"
     assert _event_lines(ev) == ["step 3 micro 0: batch 0 of DataLoader iterator #1 differs (tensor 0)"]
+    from fsdp_replay.analysis.nonfinite import describe_nonfinite
+
+    assert (
+        describe_nonfinite(ev)
+        == "non-finite tensor 0 of batch 0 of DataLoader iterator #1 at step 3 micro-batch 0"
+    )
     ev = {**ev, "kind": "batch structure", "tensor_index": None}
     assert _event_lines(ev) == ["step 3 micro 0: batch 0 of DataLoader iterator #1 differs (its structure)"]
