@@ -24,33 +24,45 @@ from fsdp_replay.trace.ops import SAME_SHAPE_OPS
 from fsdp_replay.trace.reader import RankTrace
 from fsdp_replay.trace.schema import ROLE_INPUT, ROLE_OBJECTS
 
+# A rooted collective's side that only its root has: gather's outputs, scatter's inputs.
+ROOT_ONLY = {"gather_": schema.ROLE_OUTPUT, "scatter_": schema.ROLE_INPUT}
+
 
 def signatures(
     r: RankTrace, co: Colls, op_gid: np.ndarray, red_gid: np.ndarray, dt_lut: np.ndarray
 ) -> np.ndarray:
     """A uint64 per collective (issue order) over op, reduce op, tensor count, roles, dtypes, and
-    the shapes of ops whose shapes agree across the group; never the shape of an object
-    collective's ``objects sent`` row, which is each rank's own (a broadcast's receivers send
-    none, an ``all_gather_object``'s ranks each their own objects)."""
+    the shapes of ops whose shapes agree across the group. Never what is each rank's own: the
+    shape of an object collective's ``objects sent`` row (a broadcast's receivers send none, an
+    ``all_gather_object``'s ranks each their own objects), or the side of a gather or scatter
+    that only its root has (``ROOT_ONLY``)."""
     n = len(co)
     t = r.tensors
     sig = np.zeros(n, dtype=np.uint64)
+    count = np.zeros(n, dtype=np.int64)
     if n and len(t):
-        strict = np.array([o in SAME_SHAPE_OPS for o in r.names("op")] + [False], dtype=bool)
+        names = r.names("op")
+        strict = np.array([o in SAME_SHAPE_OPS for o in names] + [False], dtype=bool)
+        root_role = np.array([ROOT_ONLY.get(o, -1) for o in names] + [-1], dtype=np.int16)
         pos = co.pos_of_row[t["coll"]]
-        keep = pos >= 0  # tensors of collectives left out (a record cut before its end)
-        pos, rows = pos[keep], np.flatnonzero(keep)
-        idx = rows - co.tensor_start[pos]
-        th = mix64(
-            t["role"][rows].astype(np.uint64) * np.uint64(7919) + dt_lut[t["dtype"][rows]].astype(np.uint64)
-        )
+        rows = np.flatnonzero(pos >= 0)  # not tensors of collectives left out (a record cut short)
+        pos = pos[rows]
+        role = t["role"][rows].astype(np.int16)
+        kept = role != root_role[co.op[pos]]
+        rows, pos, role = rows[kept], pos[kept], role[kept]
+        order = np.lexsort((rows, pos))  # each collective's rows together, in their order
+        rows, pos, role = rows[order], pos[order], role[order]
+        count = np.bincount(pos, minlength=n)
+        first = np.concatenate(([0], np.cumsum(count)[:-1]))
+        idx = np.arange(len(pos)) - first[pos]  # the row's place among its collective's kept rows
+        th = mix64(role.astype(np.uint64) * np.uint64(7919) + dt_lut[t["dtype"][rows]].astype(np.uint64))
         sh = shape_hashes(r, t["shape_start"][rows], t["ndim"][rows])
-        th = np.where(strict[co.op[pos]] & (t["role"][rows] != ROLE_OBJECTS), th ^ sh, th)
+        th = np.where(strict[co.op[pos]] & (role != ROLE_OBJECTS), th ^ sh, th)
         np.add.at(sig, pos, mix64(th ^ mix64(idx.astype(np.uint64))))
     head = (
         op_gid.astype(np.uint64) * np.uint64(0x100000001B3)
         ^ (red_gid + 1).astype(np.uint64) * np.uint64(0x9E3779B1)
-        ^ co.tensor_count.astype(np.uint64)
+        ^ count.astype(np.uint64)
     )
     return mix64(sig ^ mix64(head))
 

@@ -145,7 +145,7 @@ def render_text(report: dict[str, Any]) -> str:
     elif status == "bit-exact":
         lines.append(
             f"rank {rank}: BIT-EXACT over steps {span} ({report['collectives_verified']} collectives, "
-            f"{len(steps)} steps){with_tape}"
+            f"{_count(len(steps), 'step')}){with_tape}"
         )
     elif status == "diverged":
         lines.append(f"rank {rank}: DIVERGED")

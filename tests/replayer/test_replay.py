@@ -93,6 +93,20 @@ def test_object_collectives_and_receive_buffers_replay_bit_exact_and_a_real_diff
     assert doc["status"] == "bit-exact", out
 
 
+def test_rooted_collectives_agree_across_ranks_and_replay_bit_exact(tmp_path: Path) -> None:
+    """gather/scatter (and their object forms): the root's side is its own, not a disagreement."""
+    workload = str(REPO / "tests" / "workloads" / "rooted_collectives.py")
+    out = tmp_path / "rooted"
+    run([*CLI, "record", "--out", str(out), "--", *torchrun_cmd(2, workload)], env=child_env())
+    proc = run([*CLI, "desync", str(out)], check=False)
+    assert proc.returncode == 0 and "ranks agree on every completed collective" in proc.stdout, proc.stdout
+    for rank in (0, 1):
+        doc, text, _ = replay(out, rank, check_code=0)
+        assert doc["status"] == "bit-exact" and doc["collectives_verified"] == doc["recorded_collectives"], (
+            text
+        )
+
+
 def test_an_all_to_all_records_its_tensors_and_every_rank_replays_bit_exact(tmp_path: Path) -> None:
     """``alltoall_base_`` names its tensors ``input`` and ``output`` (other c10d ops say
     ``input_tensor``...): both must be in the trace, or a replay cannot fill the output."""

@@ -103,6 +103,7 @@ def test_the_fast_forward_line_counts_one_step_and_one_call_in_the_singular() ->
     base = {"status": "bit-exact", "rank": 1, "reason": "", "verified_steps": [3], "collectives_verified": 4}
     text = render_text({**base, "fast_forward": ff})
     assert "1 step run without kernels (1 model call answered with placeholders)" in text, text
+    assert "BIT-EXACT over steps 3..3 (4 collectives, 1 step)" in text, text
     ff = {**ff, "skipped_steps": 898, "root_calls_skipped": 1796}
     text = render_text({**base, "fast_forward": ff})
     assert "898 steps run without kernels (1796 model calls answered" in text, text
