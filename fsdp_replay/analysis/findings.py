@@ -41,18 +41,31 @@ def _peer_ended(r: dict[str, Any]) -> bool:
     return bool(PEER_ENDED.search(str((r.get("end") or {}).get("exception") or "")))
 
 
+def _stopped(r: dict[str, Any]) -> bool:
+    """Rank summary ``r`` was stopped by a signal (SIGTERM: a launcher tearing the job down)."""
+    return (r.get("end") or {}).get("reason") not in (None, "exit")
+
+
 def _causes(per_rank: list[dict[str, Any]]) -> list[int]:
     """The ranks whose records end badly for a reason of their own (an exception other than a
-    peer's end, or no end at all: killed or crashed), the candidates for what the peers' connection
-    errors followed from."""
-    return [
+    peer's end, or no end at all: killed or crashed), the candidates for what the others' ends
+    followed from; where there is none, the ranks stopped by a signal (a preemption)."""
+    own = [
         r["rank"]
         for r in per_rank
-        if r.get("end") is None
-        or (
-            (r["end"].get("exception") or r["end"].get("reason") not in (None, "exit")) and not _peer_ended(r)
-        )
+        if r.get("end") is None or (r["end"].get("exception") and not _peer_ended(r))
     ]
+    return own or [r["rank"] for r in per_rank if _stopped(r)]
+
+
+def _caused_by(r: dict[str, Any], causes: list[int], per_rank: list[dict[str, Any]]) -> list[int]:
+    """The ranks whose end rank summary ``r``'s followed from: a peer's end it died of, or the
+    launcher's SIGTERM after another rank failed on its own (torchrun stops the rest)."""
+    others = [rk for rk in causes if rk != r["rank"]]
+    if _peer_ended(r):
+        return others
+    failed_alone = any(p["rank"] in others and not _stopped(p) for p in per_rank)
+    return others if _stopped(r) and failed_alone else []
 
 
 def state_findings(trace: Trace, ranks: list[int] | None, q: str) -> list[dict[str, Any]]:
@@ -157,7 +170,7 @@ def findings(
     out += state_findings(trace, ranks, q)
     causes = _causes(summary["per_rank"])
     for r in summary["per_rank"]:
-        out += _rank_findings(r, q, [rk for rk in causes if rk != r["rank"]] if _peer_ended(r) else [])
+        out += _rank_findings(r, q, _caused_by(r, causes, summary["per_rank"]))
     out += flight_findings(summary["per_rank"], q)
     code = (summary.get("run") or {}).get("exit_code")
     if code not in (None, 0) and not any(f["kind"] == "ended" and f["severity"] == PROBLEM for f in out):
@@ -266,10 +279,11 @@ def _rank_findings(r: dict[str, Any], q: str, caused_by: list[int] | None = None
         ended = (f"was stopped by {end['reason']} after {r['steps']} steps", f"fsdp-replay desync {q}")
     if ended is not None:
         severity, message = PROBLEM, f"rank {rank} {ended[0]}"
-        if caused_by and end is not None and end.get("exception"):
+        if caused_by and end is not None:
             who = f"rank {caused_by[0]}'s" if len(caused_by) == 1 else f"ranks {caused_by}'"
+            how = "a peer's process ended under it" if end.get("exception") else "the launcher stopped it"
             severity = WARNING
-            message += f": a peer's process ended under it, most likely a consequence of {who} end (above)"
+            message += f": {how}, most likely a consequence of {who} end (above)"
         out.append(finding("ended", severity, message, ended[1], rank=rank, step=max(r["steps"] - 1, 0)))
     for i, oom in enumerate((r.get("memory") or {}).get("ooms") or []):
         out.append(

@@ -7,6 +7,7 @@ from typing import Any
 from fsdp_replay.analysis.findings import (
     PROBLEM,
     WARNING,
+    _caused_by,
     _causes,
     _peer_ended,
     _rank_findings,
@@ -125,3 +126,15 @@ def test_a_rank_that_lost_its_peer_is_a_consequence_of_the_rank_that_raised() ->
     assert _causes([rank(0, gloo), rank(1, nccl)]) == []
     (alone,) = [f for f in _rank_findings(ranks[0], "run", []) if f["kind"] == "ended"]
     assert alone["severity"] == PROBLEM
+    # torchrun's SIGTERM to the rest after one rank raised: a consequence; a preemption's alone: a cause
+    stopped = _rank(4, killed=False, with_payload=969)
+    stopped["end"] = {"reason": "SIGTERM"}
+    assert _caused_by(stopped, _causes([*ranks, stopped]), [*ranks, stopped]) == [1]
+    (term,) = [f for f in _rank_findings(stopped, "run", [1]) if f["kind"] == "ended"]
+    assert (
+        term["severity"] == WARNING
+        and "the launcher stopped it, most likely a consequence of rank 1's" in term["message"]
+    )
+    assert _causes([stopped, rank(0, gloo)]) == [4]
+    assert _caused_by(stopped, [4], [stopped, rank(0, gloo)]) == []
+    assert _caused_by(ranks[0], [4], [stopped, ranks[0]]) == [4]
