@@ -257,8 +257,10 @@ def exception_text(recorded: str, limit: int = 300) -> str:
         errors = [ln for ln in lines[1:] if _ERROR_LINE.match(ln)]
         if lines[0].startswith("Traceback"):
             text = errors[-1] if errors else lines[-1]
-        else:
+        elif any("Traceback (" in ln for ln in lines):  # another's traceback, in its message
             text = lines[0] + (f" (original: {errors[-1]})" if errors else "")
+        else:  # a message of several lines (NCCL's "Last error:" and what follows it)
+            text = " / ".join(lines)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -28,6 +28,12 @@ WORKER = (
         ('RuntimeError("it\'s \\"quoted\\"")', 'RuntimeError: it\'s "quoted"'),
         ("torch.OutOfMemoryError('CUDA out of memory.')", "torch.OutOfMemoryError: CUDA out of memory."),
         ("Traceback (most recent call last):\n  ...\nRuntimeError: boom\n", "RuntimeError: boom"),
+        (
+            "DistBackendError('NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error\\nLast error:\\n"
+            "remote process exited or there was a network error')",
+            "DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error / Last error: / "
+            "remote process exited or there was a network error",
+        ),
         # an older agent's 500 characters, cut inside the message: its first line
         (
             "OSError('Caught OSError in DataLoader worker process 0.\\nOriginal Traceback (most",
