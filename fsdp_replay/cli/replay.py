@@ -53,8 +53,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     world = int(meta.get("world_size") or trace.world_size or 1)
     who = "all ranks" if args.all_ranks else f"rank {args.rank}"
     out = Path(args.report) if args.report else launch.report_dir(trace_url, who, args.from_step)
-    _check_report_dir(out, trace_url)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_report_dir(out, trace_url)  # and makes it
     config = ReplayConfig(
         trace=str(Path(trace_url).absolute()) if "://" not in trace_url else trace_url,
         rank=args.rank,

@@ -622,12 +622,10 @@ def attach_replay(config: ReplayConfig) -> Replayer:
     chained = sys.excepthook
 
     def excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        where = traceback.extract_tb(tb)[-1] if tb is not None else None
-        at = f" ({where.filename}:{where.lineno})" if where is not None else ""
+        frames = traceback.extract_tb(tb) if tb is not None else []
+        at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
         replayer.program_error = f"{exception_text(f'{kind.__name__}: {exc}')}{at}"
-        replayer.program_error_files = (
-            [f.filename for f in traceback.extract_tb(tb)] if tb is not None else []
-        )
+        replayer.program_error_files = [f.filename for f in frames]
         chained(kind, exc, tb)
 
     sys.excepthook = excepthook  # an exception the program did not catch: finish() says so
