@@ -96,21 +96,23 @@ class PodSettings:
     """The sidecar's metrics and health port."""
 
 
-def opt_in(annotations: Mapping[str, str], keys: Keys, namespace_default: bool) -> tuple[bool, str | None]:
+def opt_in(annotations: Mapping[str, object], keys: Keys, namespace_default: bool) -> tuple[bool, str | None]:
     """Whether to record the pod, and a warning for a value that is neither true nor false."""
     raw = annotations.get(keys(RECORD))
     if raw is None:
         return namespace_default, None
-    value = str(raw).strip().lower()
-    if value in _TRUE:
-        return True, None
-    if value in _FALSE:
-        return False, None
-    return False, f"fsdp-replay: {keys(RECORD)}={raw!r} is neither true nor false; not recording"
+    if validate.annotation_value_error(raw) is None:
+        value = str(raw).strip().lower()
+        if value in _TRUE:
+            return True, None
+        if value in _FALSE:
+            return False, None
+    shown = validate.shown(raw) if isinstance(raw, str) else f"a {type(raw).__name__}"
+    return False, f"fsdp-replay: {keys(RECORD)}={shown} is neither true nor false; not recording"
 
 
 def pod_settings(
-    annotations: Mapping[str, str], keys: Keys, config: InjectorConfig
+    annotations: Mapping[str, object], keys: Keys, config: InjectorConfig
 ) -> tuple[PodSettings, list[str]]:
     """The pod's settings; a bad value is dropped with a warning (the default applies instead)."""
     warnings: list[str] = []
@@ -118,8 +120,17 @@ def pod_settings(
     def bad(name: str, why: str, fallback: str) -> None:
         warnings.append(f"fsdp-replay: annotation {keys(name)}: {why}; {fallback}")
 
+    def text(name: str, fallback: str, max_chars: int = validate.MAX_ANNOTATION_CHARS) -> str | None:
+        """The annotation's value, or None when it is absent or unsafe in a pod spec (then warned)."""
+        if (raw := annotations.get(keys(name))) is None:
+            return None
+        if (why := validate.annotation_value_error(raw, max_chars=max_chars)) is not None:
+            bad(name, why, fallback)
+            return None
+        return str(raw)
+
     containers: tuple[str, ...] | None = None
-    if listed := str(annotations.get(keys(CONTAINERS), "")).strip():
+    if listed := (text(CONTAINERS, "recording every container") or "").strip():
         names = [n.strip() for n in listed.split(",") if n.strip()]
         invalid = [n for n in names if not validate.is_dns_label(n)]
         if invalid:
@@ -127,33 +138,35 @@ def pod_settings(
         containers = tuple(dict.fromkeys(n for n in names if n not in invalid))
 
     payloads = config.payloads
-    raw: object
-    if (raw := annotations.get(keys(PAYLOADS))) is not None:
-        if (why := validate.payload_spec_error(str(raw))) is None:
-            payloads = str(raw).strip()
+    value: str | None
+    if (value := text(PAYLOADS, f"using {config.payloads}")) is not None:
+        if (why := validate.payload_spec_error(value)) is None:
+            payloads = value.strip()
         else:
             bad(PAYLOADS, why, f"using {config.payloads}")
     env = [(ENV_MODE, "record"), (ENV_OUT, config.spool_path), (ENV_PAYLOADS, payloads)]
     for name, variable, check in AGENT_ANNOTATIONS:
-        if (raw := annotations.get(keys(name))) is None:
+        if (value := text(name, "using the agent's default")) is None:
             continue
-        if (why := check(str(raw))) is None:
-            env.append((variable, str(raw).strip()))
+        if (why := check(value)) is None:
+            env.append((variable, value.strip()))
         else:
             bad(name, why, "using the agent's default")
 
-    store = str(annotations.get(keys(STORE), config.store)).strip()
-    if any(c.isspace() for c in store):
-        bad(STORE, f"{store!r} has spaces", "using the default store")
-        store = config.store
-    secret = str(annotations.get(keys(STORE_SECRET), "")).strip()
+    store = config.store
+    if (value := text(STORE, "using the default store", validate.MAX_STORE_URL_CHARS)) is not None:
+        if any(c.isspace() for c in value.strip()):
+            bad(STORE, f"{validate.shown(value.strip())} has spaces", "using the default store")
+        else:
+            store = value.strip()
+    secret = (text(STORE_SECRET, "no credentials mounted") or "").strip()
     if secret and not validate.is_dns_subdomain(secret):
-        bad(STORE_SECRET, f"{secret!r} is not a Secret name", "no credentials mounted")
+        bad(STORE_SECRET, f"{validate.shown(secret)} is not a Secret name", "no credentials mounted")
         secret = ""
     port = config.metrics_port
-    if (raw := annotations.get(keys(METRICS_PORT))) is not None:
-        if (why := validate.int_error(str(raw), minimum=1, maximum=65535)) is None:
-            port = int(str(raw))
+    if (value := text(METRICS_PORT, f"using {config.metrics_port}")) is not None:
+        if (why := validate.int_error(value, minimum=1, maximum=65535)) is None:
+            port = int(value)
         else:
             bad(METRICS_PORT, why, f"using {config.metrics_port}")
     settings = PodSettings(

@@ -19,10 +19,10 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from fsdp_replay import options
-from fsdp_replay.errors import ConfigError
+from fsdp_replay.errors import ConfigError, FsdpReplayError
 from fsdp_replay.injector.config import ENV_PREFIX, InjectorConfig, env_name, parse_bool
 from fsdp_replay.injector.job_config import ENV_PREFIX as JOB_ENV_PREFIX
 from fsdp_replay.injector.job_config import JobConfig
@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_BAD_INPUT = 3
+# `inject -f` input bounds. Kubernetes objects are at most ~1.5 MiB each; a whole kustomize output
+# fits easily. Nodes reached through aliases are counted as if written out, because that is what
+# the dump writes (no anchors in the output): a 1 KB "billion laughs" would otherwise run for ever.
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_ALIASED_NODES = 100_000
+MAX_YAML_DEPTH = 100  # PyYAML composes, copies and dumps recursively
 SERVER_ONLY = frozenset({"tls_cert_file", "tls_key_file", "listen_address", "port", "log_level"})
 
 
@@ -77,10 +83,22 @@ def cmd_inject(args: argparse.Namespace) -> int:
         ) from None
     source = "<stdin>" if args.filename == "-" else args.filename
     try:
-        text = sys.stdin.read() if args.filename == "-" else _read(args.filename)
-        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+        data = _read_bounded(sys.stdin.buffer if args.filename == "-" else None, args.filename)
+        if len(data) > MAX_MANIFEST_BYTES:
+            print(
+                f"fsdp-replay: {source} is larger than {MAX_MANIFEST_BYTES} bytes: refused", file=sys.stderr
+            )
+            return EXIT_BAD_INPUT
+        text = data.decode("utf-8")
+        documents = [d for d in yaml.load_all(text, Loader=_bounded_loader(yaml, source)) if d is not None]
     except OSError as e:
         print(f"fsdp-replay: cannot read {source}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except UnicodeDecodeError as e:
+        print(f"fsdp-replay: {source} is not UTF-8: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ManifestTooLargeError as e:
+        print(f"fsdp-replay: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except yaml.YAMLError as e:
         print(f"fsdp-replay: {source} is not YAML: {e}", file=sys.stderr)
@@ -194,9 +212,71 @@ def _dumper(yaml: Any) -> Any:
     return Dumper
 
 
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+def _read_bounded(stream: BinaryIO | None, path: str) -> bytes:
+    """At most one byte more than :data:`MAX_MANIFEST_BYTES` of ``stream``, or of the file at ``path``."""
+    if stream is not None:
+        return stream.read(MAX_MANIFEST_BYTES + 1)
+    with open(path, "rb") as f:
+        return f.read(MAX_MANIFEST_BYTES + 1)
+
+
+class ManifestTooLargeError(FsdpReplayError, ValueError):
+    """YAML whose aliases expand past :data:`MAX_ALIASED_NODES`, or nested past :data:`MAX_YAML_DEPTH`."""
+
+
+def _bounded_loader(yaml: Any, source: str) -> Any:
+    """A safe loader that counts the nodes every alias stands for (its anchor's whole subtree, its own
+    aliases included) and the nesting depth, and stops past the bounds before anything is built.
+
+    One loader reads one stream: the count runs over all of its documents.
+    """
+
+    class Loader(yaml.SafeLoader):
+        def __init__(self, stream: Any) -> None:
+            super().__init__(stream)
+            self._sizes: dict[int, int] = {}  # id(node) -> its node count with aliases written out
+            self._aliased = 0
+            self._depth = 0
+
+        def compose_document(self) -> Any:
+            node = super().compose_document()
+            self._sizes.clear()  # the nodes go with the document, and their ids may be reused
+            return node
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                target = self.anchors.get(self.peek_event().anchor)
+                if target is not None:  # else: the parser's "undefined alias" error follows
+                    if (size := self._sizes.get(id(target))) is None:
+                        raise ManifestTooLargeError(
+                            f"{source}: the alias *{self.peek_event().anchor} refers to a node that holds it "
+                            "(a recursive structure cannot be written out as a manifest)"
+                        )
+                    self._aliased += size
+                    if self._aliased > MAX_ALIASED_NODES:
+                        raise ManifestTooLargeError(
+                            f"{source}: its aliases stand for more than {MAX_ALIASED_NODES} nodes "
+                            "(nested aliases, as in a 'billion laughs'): refused"
+                        )
+            self._depth += 1
+            try:
+                if self._depth > MAX_YAML_DEPTH:
+                    raise ManifestTooLargeError(
+                        f"{source}: nested deeper than {MAX_YAML_DEPTH} levels: refused"
+                    )
+                node = super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+            if id(node) not in self._sizes:
+                children = node.value if isinstance(node.value, list) else []
+                self._sizes[id(node)] = 1 + sum(
+                    self._sizes[id(n)]
+                    for child in children
+                    for n in (child if isinstance(child, tuple) else (child,))
+                )
+            return node
+
+    return Loader
 
 
 def register(subparsers: Any) -> None:

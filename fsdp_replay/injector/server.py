@@ -14,19 +14,25 @@ a reason for a training job not to start.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import re
 import signal
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from email.message import Message
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
 from fsdp_replay.errors import ConfigError
+from fsdp_replay.injector import validate
 from fsdp_replay.injector.config import InjectorConfig, env_name
 from fsdp_replay.injector.errors import BadReviewError, InjectionError
 from fsdp_replay.injector.mutate import mutate
@@ -38,49 +44,95 @@ MUTATE_PATH = "/mutate"
 NAMESPACE_DEFAULT_PATH = "/mutate/namespace-default"
 ROUTES = {MUTATE_PATH: False, NAMESPACE_DEFAULT_PATH: True}  # path -> namespace_default
 HEALTH_PATHS = ("/healthz", "/readyz")
-# The API server caps a request body at 3 MiB of object; a review holds the object (and oldObject).
-MAX_BODY_BYTES = 16 << 20
-HANDSHAKE_TIMEOUT_S = 10.0
-# Longer than the API server's webhook timeout (at most 30 s), so a kept-alive connection is reused.
-IDLE_TIMEOUT_S = 60.0
+MAX_REQUEST_LINE_BYTES = 8192
+# ASCII digits only: int() and str.isdigit() also take "²" or "٣", which no HTTP client sends.
+_CONTENT_LENGTH = re.compile(r"[0-9]+", re.ASCII)
+_TEXT = "text/plain; charset=utf-8"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerLimits:
+    """What one client may hold of the server: time, bytes, and one of a bounded number of threads."""
+
+    max_body_bytes: int = 16 << 20
+    """The largest review read; the API server caps an object at 3 MiB, and a review holds two."""
+    handshake_timeout_s: float = 10.0
+    """The TLS handshake, in the connection's own thread."""
+    request_timeout_s: float = 10.0
+    """Headers and body of one request, from its first byte: a client trickling a byte every few
+    seconds never trips a per-read timeout, so the whole request has one deadline."""
+    idle_timeout_s: float = 60.0
+    """Waiting for the next request on a kept-alive connection; longer than the API server's webhook
+    timeout (at most 30 s), so its connections are reused."""
+    write_timeout_s: float = 10.0
+    """Sending one response to a client that does not read it."""
+    max_connections: int = 128
+    """Connections served at once, one thread each; one more is closed at once (the API server then
+    applies ``failurePolicy: Ignore``: the pod is admitted unchanged)."""
+    refusal_log_interval_s: float = 1.0
+    """At most one log line per interval for refused connections, with their count."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        for name in ("handshake_timeout_s", "request_timeout_s", "idle_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
 
 
 def review_request(request: Request, config: InjectorConfig, *, namespace_default: bool) -> ResponseReview:
     """The answer to a well-formed request: always allowed; a patch when the pod is to be recorded."""
     uid = request["uid"]
-    if request.get("operation", "CREATE") != "CREATE":
-        return build_response(uid, [], [])  # a pod's spec cannot change after creation
-    kind: Mapping[str, Any] = request.get("kind") or {}
-    if (kind.get("group"), kind.get("kind")) != ("", "Pod"):
-        logger.warning("uid %s: asked about %s, not a Pod: check the webhook's rules", uid, kind)
-        return build_response(uid, [], [f"fsdp-replay: only Pods are injected, not {kind.get('kind')!r}"])
-    pod: Mapping[str, Any] = request.get("object") or {}
-    raw_metadata = pod.get("metadata")
-    metadata: Mapping[str, Any] = raw_metadata if isinstance(raw_metadata, Mapping) else {}
-    namespace = str(request.get("namespace") or metadata.get("namespace") or "")
-    name = metadata.get("name") or metadata.get("generateName", "") + "*"
     try:
-        ops, warnings = mutate(pod, namespace, config, namespace_default=namespace_default)
-        response = build_response(uid, ops, warnings)
-    except InjectionError as e:
-        logger.warning("pod %s/%s (uid %s) admitted unchanged: %s", namespace, name, uid, e)
-        return build_response(uid, [], [f"fsdp-replay: not injected: {e}"])
+        return _review(request, config, namespace_default=namespace_default)
     except Exception as e:  # a bug must not stop the pod: fail open, loudly
-        logger.exception(
-            "pod %s/%s (uid %s) admitted unchanged after an internal error", namespace, name, uid
-        )
+        logger.exception("uid %s admitted unchanged after an internal error", _one_line(uid))
         return build_response(
             uid,
             [],
             [f"fsdp-replay: not injected: internal error ({type(e).__name__}: {e}); pod admitted unchanged"],
         )
+
+
+def _review(request: Request, config: InjectorConfig, *, namespace_default: bool) -> ResponseReview:
+    uid = request["uid"]
+    if request.get("operation", "CREATE") != "CREATE":
+        return build_response(uid, [], [])  # a pod's spec cannot change after creation
+    kind: Mapping[str, Any] = request.get("kind") or {}
+    if (kind.get("group"), kind.get("kind")) != ("", "Pod"):
+        logger.warning(
+            "uid %s: asked about %s, not a Pod: check the webhook's rules",
+            _one_line(f"{uid}"),
+            _one_line(f"{kind}"),
+        )
+        return build_response(uid, [], [f"fsdp-replay: only Pods are injected, not {kind.get('kind')!r}"])
+    pod: Mapping[str, Any] = request.get("object") or {}
+    raw_metadata = pod.get("metadata")
+    metadata: Mapping[str, Any] = raw_metadata if isinstance(raw_metadata, Mapping) else {}
+    namespace = str(request.get("namespace") or metadata.get("namespace") or "")
+    # The API server has not validated the object yet: its name may be of any type, or hold a newline.
+    name = str(metadata.get("name") or f"{metadata.get('generateName') or ''}*")
+    name = name if len(name) <= 253 else validate.shown(name)
+    who = _one_line(f"pod {namespace}/{name} (uid {uid})")
+    try:
+        ops, warnings = mutate(pod, namespace, config, namespace_default=namespace_default)
+        response = build_response(uid, ops, warnings)
+    except InjectionError as e:
+        logger.warning("%s admitted unchanged: %s", who, _one_line(str(e)))
+        return build_response(uid, [], [f"fsdp-replay: not injected: {e}"])
     if ops:
-        logger.info("pod %s/%s (uid %s): injected (%d operations)", namespace, name, uid, len(ops))
+        logger.info("%s: injected (%d operations)", who, len(ops))
     else:
-        logger.debug("pod %s/%s (uid %s): not recorded", namespace, name, uid)
+        logger.debug("%s: not recorded", who)
     for warning in warnings:
-        logger.info("pod %s/%s (uid %s): %s", namespace, name, uid, warning)
+        logger.info("%s: %s", who, _one_line(warning))
     return response
+
+
+def _one_line(text: str) -> str:
+    """``text`` for one log line: a newline in a pod's name must not forge another line."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def admit(body: bytes, config: InjectorConfig, *, namespace_default: bool) -> tuple[int, bytes, str]:
@@ -89,45 +141,189 @@ def admit(body: bytes, config: InjectorConfig, *, namespace_default: bool) -> tu
         request = parse_review(body)
     except BadReviewError as e:
         logger.warning("bad AdmissionReview: %s", e)
-        return HTTPStatus.BAD_REQUEST, f"bad AdmissionReview: {e}\n".encode(), "text/plain; charset=utf-8"
+        return HTTPStatus.BAD_REQUEST, f"bad AdmissionReview: {e}\n".encode(), _TEXT
     response = review_request(request, config, namespace_default=namespace_default)
     return HTTPStatus.OK, json.dumps(response).encode(), "application/json"
 
 
+class BadHeaderError(ValueError):
+    """A request whose headers say nothing usable about its body; answered with ``status``."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+def body_length(headers: Message, max_body_bytes: int) -> int:
+    """The body's length from ``Content-Length``, which the API server always sends; raises
+    :class:`BadHeaderError` for a missing, malformed, ambiguous or too large one, or a chunked body."""
+    if "Transfer-Encoding" in headers:
+        raise BadHeaderError(HTTPStatus.LENGTH_REQUIRED, "send the review with a Content-Length, not chunked")
+    values = headers.get_all("Content-Length") or []
+    if not values:
+        raise BadHeaderError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length is required")
+    lengths = {v.strip() for v in values}
+    if len(lengths) > 1:
+        raise BadHeaderError(HTTPStatus.BAD_REQUEST, f"{len(values)} different Content-Length headers")
+    (text,) = lengths
+    if not _CONTENT_LENGTH.fullmatch(text):
+        raise BadHeaderError(
+            HTTPStatus.BAD_REQUEST, f"Content-Length {validate.shown(text)} is not a number of bytes"
+        )
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(max_body_bytes)) or int(digits) > max_body_bytes:
+        raise BadHeaderError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"the review is too large ({validate.shown(digits)} bytes, at most {max_body_bytes})",
+        )
+    return int(digits)
+
+
+class _ClientTimeout(Exception):
+    def __init__(self, message: str, *, idle: bool) -> None:
+        super().__init__(message)
+        self.idle = idle
+
+
+class _RequestReader(io.RawIOBase):
+    """The connection's bytes, with one deadline per request rather than a timeout per read.
+
+    The clock starts with a request's first byte (before it, the idle timeout of a kept-alive
+    connection applies) and covers its headers and body; ``next_request()`` restarts it.
+    """
+
+    def __init__(self, sock: socket.socket, limits: ServerLimits) -> None:
+        super().__init__()
+        self._sock = sock
+        self._limits = limits
+        self._deadline: float | None = None
+        self.eof = False
+        """The client closed its side: what was read since it wanted more is all there is."""
+
+    def next_request(self) -> None:
+        self._deadline = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._deadline is None:
+            self._sock.settimeout(self._limits.idle_timeout_s)
+        else:
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._timeout()
+            self._sock.settimeout(remaining)
+        try:
+            n = self._sock.recv_into(buffer)
+        except TimeoutError:
+            raise self._timeout() from None
+        if n and self._deadline is None:
+            self._deadline = time.monotonic() + self._limits.request_timeout_s
+        self.eof = n == 0
+        return n
+
+    def _timeout(self) -> _ClientTimeout:
+        if self._deadline is None:
+            return _ClientTimeout(f"idle for {self._limits.idle_timeout_s:g} s", idle=True)
+        return _ClientTimeout(
+            f"the request did not arrive within {self._limits.request_timeout_s:g} s", idle=False
+        )
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: the API server reuses its connections
-    timeout = IDLE_TIMEOUT_S
+    # What an unparsable request line is answered as: with a status line (HTTP/0.9 has none).
+    default_request_version = "HTTP/1.1"
     server: WebhookServer
 
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the plain makefile() reader, replaced by one with a deadline
+        self._reader = _RequestReader(self.connection, self.server.limits)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        """``BaseHTTPRequestHandler``'s, with every way a client can fail answered or logged in one line."""
+        self._reader.next_request()
+        try:
+            self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE_BYTES + 1)
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            if len(self.raw_requestline) > MAX_REQUEST_LINE_BYTES:
+                self.requestline = self.request_version = self.command = ""
+                self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
+                return
+            if not self.parse_request():
+                return  # parse_request answered it (400, 431, 505)
+            if self._reader.eof:  # parse_headers takes an end of file for the end of the headers
+                self.close_connection = True
+                logger.info("%s went away in the middle of its request's headers", self.client_address[0])
+                return
+            method = getattr(self, f"do_{self.command}", None)
+            if method is None:
+                self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"unsupported method {self.command!r}")
+                return
+            method()
+            self.wfile.flush()
+        except _ClientTimeout as e:
+            self.close_connection = True
+            if e.idle:
+                logger.debug("%s: %s: connection closed", self.client_address[0], e)
+                return
+            logger.info("%s: %s: connection closed", self.client_address[0], e)
+            self._send_raw(HTTPStatus.REQUEST_TIMEOUT, f"{e}\n".encode())
+        except OSError as e:  # reset, broken pipe, a TLS error, a write timeout: the client went away
+            self.close_connection = True
+            logger.info("%s went away: %s: %s", self.client_address[0], type(e).__name__, e)
+
     def do_GET(self) -> None:
-        path = urlsplit(self.path).path
+        if "Transfer-Encoding" in self.headers or self.headers.get("Content-Length", "0").strip() != "0":
+            self.close_connection = True  # a body we do not read
+        path = self._route()
+        if path is None:
+            return
         if path in HEALTH_PATHS:
-            self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
+            self._send(HTTPStatus.OK, b"ok\n", _TEXT)
         elif path in ROUTES:
-            self._send(
-                HTTPStatus.METHOD_NOT_ALLOWED, b"POST an AdmissionReview here\n", "text/plain", allow="POST"
-            )
+            self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"POST an AdmissionReview here\n", _TEXT, allow="POST")
         else:
-            self._send(HTTPStatus.NOT_FOUND, f"no route {path}\n".encode(), "text/plain; charset=utf-8")
+            self._send(HTTPStatus.NOT_FOUND, f"no route {validate.shown(path)}\n".encode(), _TEXT)
 
     def do_POST(self) -> None:
-        path = urlsplit(self.path).path
+        path = self._route()
+        if path is None:
+            return
         if path not in ROUTES:
             self.close_connection = True  # the body was not read
-            self._send(HTTPStatus.NOT_FOUND, f"no route {path}\n".encode(), "text/plain; charset=utf-8")
+            self._send(HTTPStatus.NOT_FOUND, f"no route {validate.shown(path)}\n".encode(), _TEXT)
             return
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        try:
+            length = body_length(self.headers, self.server.limits.max_body_bytes)
+        except BadHeaderError as e:
+            logger.warning("%s: %s", self.client_address[0], e)
             self.close_connection = True
-            self._send(HTTPStatus.LENGTH_REQUIRED, b"a Content-Length is required\n", "text/plain")
+            self._send(e.status, f"{e}\n".encode(), _TEXT)
             return
-        if int(length) > MAX_BODY_BYTES:
+        body = self.rfile.read(length)
+        if len(body) < length:
+            logger.info(
+                "%s went away after %d of %d bytes of its body", self.client_address[0], len(body), length
+            )
             self.close_connection = True
-            self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, b"the review is too large\n", "text/plain")
             return
-        body = self.rfile.read(int(length))
         status, payload, content_type = admit(body, self.server.config, namespace_default=ROUTES[path])
         self._send(status, payload, content_type)
+
+    def _route(self) -> str | None:
+        """The request's path, or None once a malformed target has been answered with 400."""
+        try:
+            return urlsplit(self.path).path
+        except ValueError as e:  # e.g. an unclosed IPv6 bracket
+            self.close_connection = True
+            self._send(HTTPStatus.BAD_REQUEST, f"bad request target: {e}\n".encode(), _TEXT)
+            return None
 
     def _send(self, status: int, body: bytes, content_type: str, **headers: str) -> None:
         self.send_response(status)
@@ -135,27 +331,85 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         for name, value in headers.items():
             self.send_header(name.title(), value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 
+    def _send_raw(self, status: HTTPStatus, body: bytes) -> None:
+        """An answer after the request could not be read whole (the request line may be missing)."""
+        head = (
+            f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: {_TEXT}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        try:
+            self.connection.settimeout(min(1.0, self.server.limits.write_timeout_s))
+            self.wfile.write(head.encode() + body)
+        except OSError:
+            pass  # it did not wait for the answer: the log line above says enough
+
+    def flush_headers(self) -> None:
+        # Every answer starts here, error pages included: from now on the socket's timeout is for
+        # writing, not what was left of the request's deadline.
+        self.connection.settimeout(self.server.limits.write_timeout_s)
+        super().flush_headers()
+
     def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s %s", self.address_string(), format % args)
+        logger.debug("%s %s", self.client_address[0], format % args)
 
 
 class WebhookServer(ThreadingHTTPServer):
-    """The threaded HTTPS server; the TLS handshake runs in each connection's thread, not in accept()."""
+    """The threaded HTTPS server: a bounded number of connection threads, the TLS handshake in each
+    connection's thread, not in accept()."""
 
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst of reviews waits here, not refused by the kernel
 
-    def __init__(self, config: InjectorConfig, context: ssl.SSLContext) -> None:
+    def __init__(
+        self, config: InjectorConfig, context: ssl.SSLContext, limits: ServerLimits | None = None
+    ) -> None:
         self.config = config
         self.context = context
+        self.limits = limits or ServerLimits()
+        self._slots = threading.BoundedSemaphore(self.limits.max_connections)
+        self._refused = 0
+        self._refusal_logged_at = -float("inf")
         if ":" in config.listen_address:
             self.address_family = socket.AF_INET6
         super().__init__((config.listen_address, config.port), _Handler)
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # In the accept loop: a connection beyond the bound is closed here, and no thread is started.
+        if not self._slots.acquire(blocking=False):
+            self._log_refusal(client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread could be started: the slot is not taken
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _log_refusal(self, client_address: Any) -> None:
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= self.limits.refusal_log_interval_s:
+            logger.warning(
+                "refused %d connection(s), the latest from %s: %d are being served already",
+                self._refused,
+                client_address[0],
+                self.limits.max_connections,
+            )
+            self._refused, self._refusal_logged_at = 0, now
+
     def finish_request(self, request: Any, client_address: Any) -> None:
-        request.settimeout(HANDSHAKE_TIMEOUT_S)
+        request.settimeout(self.limits.handshake_timeout_s)
         try:
             tls = self.context.wrap_socket(request, server_side=True)
         except (ssl.SSLError, OSError) as e:
@@ -167,8 +421,8 @@ class WebhookServer(ThreadingHTTPServer):
             self.shutdown_request(tls)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        # A bug in the handler itself: the connection is dropped (the API server then applies
-        # failurePolicy: Ignore), and the traceback goes to our log rather than bare stderr.
+        # A bug in the handler itself (clients that fail are handled there): the connection is dropped
+        # (the API server then applies failurePolicy: Ignore), and the traceback goes to our log.
         logger.exception("error while serving %s", client_address[0])
 
     @property
@@ -193,9 +447,9 @@ def tls_context(config: InjectorConfig) -> ssl.SSLContext:
     return context
 
 
-def make_server(config: InjectorConfig) -> WebhookServer:
+def make_server(config: InjectorConfig, limits: ServerLimits | None = None) -> WebhookServer:
     """A bound, not yet serving, webhook server (``port`` 0 picks a free port: see ``.port``)."""
-    return WebhookServer(config, tls_context(config))
+    return WebhookServer(config, tls_context(config), limits)
 
 
 def serve(config: InjectorConfig) -> int:

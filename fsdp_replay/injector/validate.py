@@ -12,7 +12,17 @@ here, and the tests check that both accept the same specs.
 from __future__ import annotations
 
 import re
+import unicodedata
 from decimal import Decimal, InvalidOperation
+
+# Our annotation values are short (a URL, a few names, a step spec): a longer one is a mistake or an
+# attack, and dropped. Kubernetes only caps a pod's annotations together (256 KiB), not one value.
+MAX_ANNOTATION_CHARS = 1024
+MAX_STORE_URL_CHARS = 2048
+# Characters no value of ours may carry into a pod spec: control characters (NUL, newline, ESC, the
+# C1 range), line and paragraph separators, and lone surrogates (not encodable as UTF-8).
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cs", "Zl", "Zp"})
+_SHOWN_CHARS = 40
 
 _STEP_PART = re.compile(r"\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?")
 # RFC 1123 subdomain (Secret names, annotation prefixes) and label (container, port names).
@@ -62,6 +72,28 @@ def cupti_spec_error(spec: str) -> str | None:
     if not spec.startswith("steps:"):
         return f"{spec!r} is not off, always, or steps:SPEC"
     return step_spec_error(spec)
+
+
+def annotation_value_error(value: object, *, max_chars: int = MAX_ANNOTATION_CHARS) -> str | None:
+    """Why ``value`` cannot be one of our annotation values (not text, too long, a control
+    character), or None when it can. Numbers and booleans are accepted as their text: YAML written
+    by hand for ``inject -f`` says ``record: true``."""
+    if not isinstance(value, str | int | float):  # bool is an int
+        return f"a {type(value).__name__} is not a string"
+    text = str(value)
+    if len(text) > max_chars:
+        return f"{shown(text)} is longer than {max_chars} characters"
+    for i, c in enumerate(text):
+        if unicodedata.category(c) in _UNSAFE_CATEGORIES:
+            return f"{shown(text)} has a control character (U+{ord(c):04X} at {i})"
+    return None
+
+
+def shown(text: str) -> str:
+    """``text`` quoted for a message (``repr`` escapes what is not printable), cut to a few dozen characters."""
+    if len(text) <= _SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:_SHOWN_CHARS]!r}... ({len(text)} characters)"
 
 
 def is_dns_subdomain(name: str) -> bool:
