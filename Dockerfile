@@ -180,7 +180,7 @@ FROM tools AS sidecar-build
 # The package goes in with --no-deps, then exactly the dependencies the sidecar uses (not torch,
 # not rich or matplotlib): the ones pyproject.toml lists for them, read from it so the two
 # cannot drift, plus fsspec and s3fs for remote trace stores (add gcsfs for gs://).
-ARG SIDECAR_DEPENDENCIES="numpy zarr numcodecs psutil prometheus-client"
+ARG SIDECAR_DEPENDENCIES="numpy zarr numcodecs psutil prometheus-client detect-secrets"
 ARG SIDECAR_EXTRA="fsspec s3fs"
 COPY pyproject.toml /src/pyproject.toml
 RUN --mount=type=cache,id=fsdp-replay-pip,target=/root/.cache/pip \

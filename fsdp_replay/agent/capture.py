@@ -11,7 +11,6 @@ import ctypes
 import functools
 import gc
 import hashlib
-import io
 import json
 import os
 import platform
@@ -26,6 +25,8 @@ from typing import Any
 import torch
 
 import fsdp_replay
+from fsdp_replay.agent import snapshot_blob
+from fsdp_replay.trace import command
 from fsdp_replay.trace.redact import redact_argv, redact_env
 
 # ---------------------------------------------------------------------------------------------
@@ -76,18 +77,19 @@ def threads() -> dict[str, int]:
     return {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()}
 
 
-def process_info(rank: int, world_size: int, local_rank: int) -> dict[str, Any]:
+def process_info(rank: int, world_size: int, local_rank: int, redact_key: str = "") -> dict[str, Any]:
+    """What the process is, its argv and environment redacted (with the run's key, if any)."""
     return {
         "rank": rank,
         "world_size": world_size,
         "local_rank": local_rank,
         "pid": os.getpid(),
         "host": platform.node(),
-        "argv": redact_argv(sys.argv),
-        "orig_argv": redact_argv(getattr(sys, "orig_argv", sys.argv)),
+        "argv": redact_argv(sys.argv, redact_key),
+        "orig_argv": redact_argv(getattr(sys, "orig_argv", sys.argv), redact_key),
         "executable": sys.executable,
         "cwd": os.getcwd(),
-        "env": redact_env(os.environ),
+        "env": redact_env(os.environ, redact_key),
         "versions": versions(),
         "threads": threads(),
         "determinism": determinism(),
@@ -106,8 +108,20 @@ def sha256_file(path: str) -> str | None:
 
 
 def script_info() -> dict[str, Any]:
+    """The program's script (``sys.argv[0]``) by path and sha256; where the interpreter started
+    another file (a wrapper that rewrote ``sys.argv`` and ran the script with runpy), that one too
+    (``started``): a replay runs only files the record identifies."""
     path = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
-    return {"path": path, "sha256": sha256_file(path) if path and os.path.isfile(path) else None}
+    info: dict[str, Any] = {
+        "path": path,
+        "sha256": sha256_file(path) if path and os.path.isfile(path) else None,
+    }
+    started = command.parse(list(getattr(sys, "orig_argv", [])[1:])).script
+    if started and started != "-":
+        first = os.path.abspath(started)
+        if first != path and os.path.isfile(first):
+            info["started"] = {"path": first, "sha256": sha256_file(first)}
+    return info
 
 
 def local_modules(roots: Iterable[str]) -> list[tuple[str, str]]:
@@ -369,10 +383,11 @@ def snapshot_state(
 
 
 def encode_snapshot(state: dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
+    """A snapshot's blob: raw tensor bytes behind a JSON index, never a pickle (snapshot_blob.py)."""
+    return snapshot_blob.encode(state)
 
 
-def decode_snapshot(data: bytes) -> dict[str, Any]:
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)  # our own archive
+def decode_snapshot(data: bytes, *, trusted: bool = False) -> dict[str, Any]:
+    """A snapshot blob's state, decoded without running anything from the trace (an older agent's
+    pickle loads with ``weights_only=True`` unless ``trusted``)."""
+    return snapshot_blob.decode(data, trusted=trusted).state

@@ -224,6 +224,10 @@ class RecordConfig:
     cxx_tape_lib: str = ""
     """The C++ tape hook's library (``agent/cxx/tape.py``) that records the taped calls of steps
     that store no payloads, or empty (the Python tape records them all)."""
+    redact_key: str = field(default="", repr=False)
+    """The run's redaction key (``record`` makes one per run; trace/redact_key.py): a redacted value
+    becomes ``<redacted:hmac-sha256:...>`` keyed with it, so that a machine holding the key can tell
+    its own value from another; empty: plain ``<redacted>``. Never recorded itself."""
     inject_fault: str = ""
     """Testing only: ``WHERE:N`` raises inside the agent at the N-th call of WHERE."""
 
@@ -319,6 +323,8 @@ class RecordConfig:
             env[ENV_PREFIX + "CXX_KERNEL_LIB"] = self.cxx_kernel_lib
         if self.cxx_tape_lib:
             env[ENV_PREFIX + "CXX_TAPE_LIB"] = self.cxx_tape_lib
+        if self.redact_key:
+            env[ENV_PREFIX + "REDACT_KEY"] = self.redact_key
         return env
 
 

@@ -30,6 +30,7 @@ from fsdp_replay.agent.flight import Dump, FlightRecorder
 from fsdp_replay.agent.snapshots import snapshot_items
 from fsdp_replay.agent.writer import BackgroundWriter
 from fsdp_replay.trace import schema
+from fsdp_replay.trace.redact import scrub_text
 
 STUCK_DUMP_AFTER_NS: Final = 60_000_000_000
 # A device's values reach the host this many steps after the training thread ended the step
@@ -53,9 +54,10 @@ def nonfinite(loss: Any, flags: list[Any]) -> str | None:
 class FlightDumps:
     """The recorder's side of the flight recorder: it watches for failures and dumps."""
 
-    def __init__(self, ring: FlightRecorder, state: AgentState) -> None:
+    def __init__(self, ring: FlightRecorder, state: AgentState, redact_key: str = "") -> None:
         self.ring = ring
         self.state = state
+        self.redact_key = redact_key  # an exception's message is redacted with it
         self.stuck_seq = -1  # the collective a stuck dump was taken for
 
     def step_end(self, w: BackgroundWriter, step: int, loss: Any, params: list[Any]) -> None:
@@ -108,7 +110,8 @@ class FlightDumps:
             self.dump(w, "sigterm", "the process was stopped by SIGTERM")
         elif exc is not None:
             oom = isinstance(exc, torch.OutOfMemoryError)
-            self.dump(w, "oom" if oom else "exception", f"{type(exc).__name__}: {str(exc)[:300]}")
+            why = scrub_text(f"{type(exc).__name__}: {exc}", self.redact_key)[:300]
+            self.dump(w, "oom" if oom else "exception", why)
 
     def idle(self, w: BackgroundWriter, inflight: tuple[int, int, str, int, int] | None) -> None:
         """The writer's idle tick: a collective waited in for STUCK_DUMP_AFTER_NS dumps, once."""

@@ -53,19 +53,21 @@ from fsdp_replay.agent.tape import OpTape, start_tape, tape_ops
 from fsdp_replay.agent.tensor_record import TensorRecorder
 from fsdp_replay.agent.writer import BackgroundWriter
 from fsdp_replay.trace import schema
+from fsdp_replay.trace.redact import scrub_text
 from fsdp_replay.trace.spool import SpoolWriter, rank_dir
 
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60.0
 
 
-def _uncaught_exception() -> str | None:
+def _uncaught_exception(redact_key: str = "") -> str | None:
     """The exception the program is dying of, when ``finish`` runs at exit after one: Python
-    stores it in ``sys.last_exc``/``sys.last_value`` before printing it and running atexit."""
+    stores it in ``sys.last_exc``/``sys.last_value`` before printing it and running atexit. Its
+    text goes through the redaction (a message may hold a URL with a password, a token)."""
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     if exc is None:
         return None
-    text = repr(exc)
+    text = scrub_text(repr(exc), redact_key)
     # A long one keeps its end too: a DataLoader worker's error, re-raised here, ends with the
     # original error after the worker's traceback.
     return text if len(text) <= 500 else f"{text[:240]} ... {text[-255:]}"
@@ -86,7 +88,8 @@ class Recorder:
         # the window's bound: (bytes, whether sized from memory), as rank_start.policy records it
         self.window_bound = window_bound(config.window_bytes, config.max_pending_bytes) if window else None
         ring = FlightRecorder(window, self.window_bound[0]) if self.window_bound else None
-        self.flight = FlightDumps(ring, st) if ring is not None else None  # --payloads window:N
+        # --payloads window:N
+        self.flight = FlightDumps(ring, st, config.redact_key) if ring is not None else None
         self.tensors = TensorRecorder(config, st, ring)
         self.pgs = ProcessGroups(st)
         self.collectives = CollectiveRecorder(
@@ -123,7 +126,8 @@ class Recorder:
         self.compiled.install()
         self.gpu_activity = GpuActivity(config, st)  # CUPTI's kernels and copies (agent/cupti)
         # what the writer says while idle: dump answers, the collective waited in, alive marks
-        self.liveness = Liveness(st, self.collectives, self.bridge, StateDump(config.out), self.flight)
+        dumps = StateDump(config.out, redact_key=config.redact_key)
+        self.liveness = Liveness(st, self.collectives, self.bridge, dumps, self.flight)
         self.ops: OpRecorder | None = None
         self.micro_ends: list[int] = []  # when this step's backward() calls returned (t_ns)
         self.memory: Any = None  # agent/allocations.py's MemoryRecorder, once CUDA is initialized
@@ -239,12 +243,13 @@ class Recorder:
             self.tape_recorder.native.state.fast = 0  # likewise the C++ tape hook's
         log.warning("fsdp-replay: internal error in %s, recording stopped: %r", where, exc)
         if st.writer is not None:
+            key = self.config.redact_key  # the message may quote the program's own data
             st.writer.event(
                 {
                     "type": schema.EV_AGENT_ERROR,
                     "where": where,
-                    "message": repr(exc),
-                    "traceback": "".join(traceback.format_exception(exc))[-4000:],
+                    "message": scrub_text(repr(exc), key),
+                    "traceback": scrub_text("".join(traceback.format_exception(exc)), key)[-4000:],
                     "step": st.pos.step,
                     "seq": st.pos.seq,
                 }
@@ -276,7 +281,9 @@ class Recorder:
             self.flag_watch = numerics.FlagWatch(key["flags"])
             start = rank_start_event(
                 self.config,
-                capture.process_info(rank, world, int(os.environ.get("LOCAL_RANK", 0))),
+                capture.process_info(
+                    rank, world, int(os.environ.get("LOCAL_RANK", 0)), self.config.redact_key
+                ),
                 key,
                 time.time_ns() - st.t_ns(),
                 tape=self.tape is not None,
@@ -358,7 +365,7 @@ class Recorder:
                 "t_ns": self.state.t_ns(),
                 "counters": self._counters(w, self.agent_cpu_ns()),
                 "inflight": self.collectives.inflight_dict(),
-                "exception": _uncaught_exception(),
+                "exception": _uncaught_exception(self.config.redact_key),
             }
         )
         w.flush(FLUSH_TIMEOUT_S)

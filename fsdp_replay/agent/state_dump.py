@@ -31,6 +31,7 @@ from fsdp_replay.errors import TraceFormatError
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.dump_request import DumpRequest, parse_request
 from fsdp_replay.trace.layout import dump_request_path
+from fsdp_replay.trace.redact import scrub_text
 
 log = logging.getLogger(__name__)
 AGENT_THREAD_PREFIX = "fsdp-replay"
@@ -53,13 +54,14 @@ def _library_roots() -> tuple[str, ...]:
 class StateDump:
     """Watches run folder ``out``'s dump request; ``poll`` returns the ``state`` event to write."""
 
-    def __init__(self, out: str, born_wall_ns: int | None = None) -> None:
+    def __init__(self, out: str, born_wall_ns: int | None = None, redact_key: str = "") -> None:
         self.path = dump_request_path(out) if out else None
         self.born_wall_ns = time.time_ns() if born_wall_ns is None else born_wall_ns
         self.answered: list[int] = []
         self.requests = 0  # requests answered (a counter for tests and the end event's readers)
         self._seen: tuple[int, int, int] | None = None  # (inode, size, mtime ns) of the file last read
         self._lib = _library_roots()
+        self.redact_key = redact_key  # each source line is redacted (a literal credential in code)
 
     def poll(self, position: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         """The ``state`` event answering a new request, or None (one ``stat`` when nothing changed).
@@ -134,7 +136,7 @@ class StateDump:
         for fs in summary:
             file = os.path.realpath(fs.filename) if not fs.filename.startswith("<") else fs.filename
             lib = file.startswith(self._lib) or file.startswith("<")
-            line = (fs.line or "").strip()[:MAX_SOURCE_CHARS]
+            line = scrub_text((fs.line or "").strip(), self.redact_key)[:MAX_SOURCE_CHARS]
             rows.append([fs.filename, fs.lineno or 0, fs.name, line, lib])
         return {
             "name": name,

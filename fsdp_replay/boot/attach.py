@@ -141,6 +141,7 @@ def mark_attached(out: str, error: str | None = None) -> None:
         import platform
         import time
 
+        from fsdp_replay.trace import redact_key
         from fsdp_replay.trace.layout import atomic_write, attached_marker
         from fsdp_replay.trace.redact import redact_argv
 
@@ -154,7 +155,7 @@ def mark_attached(out: str, error: str | None = None) -> None:
         doc: dict[str, Any] = {
             "pid": os.getpid(),
             "host": host,
-            "argv": redact_argv(sys.argv),
+            "argv": redact_argv(sys.argv, redact_key.from_env()),
             "rank": env_int("RANK"),
             "local_rank": env_int("LOCAL_RANK"),
             "world_size": env_int("WORLD_SIZE"),

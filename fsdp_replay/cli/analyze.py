@@ -14,6 +14,7 @@ from fsdp_replay.cli.render import console, dump_json, escape
 from fsdp_replay.errors import ExitCode
 from fsdp_replay.options import env_option
 from fsdp_replay.trace.layout import output_file, resolve_trace
+from fsdp_replay.trace.redact import scrub_doc
 
 if TYPE_CHECKING:
     from fsdp_replay.trace.reader import Trace
@@ -35,8 +36,7 @@ def cmd_nan(args: argparse.Namespace) -> int:
     from fsdp_replay.analysis.nonfinite import describe_nonfinite, nonfinite_origin
 
     trace = _open(args.trace)
-    origin = nonfinite_origin(trace)
-    notes = record_notes(trace)
+    origin, notes = scrub_doc([nonfinite_origin(trace), record_notes(trace)])
     if args.json:
         dump_json({"trace": trace.url, "found": origin is not None, "origin": origin, "notes": notes})
         return EXIT_FOUND if origin else EXIT_OK
@@ -72,7 +72,7 @@ def cmd_desync(args: argparse.Namespace) -> int:
     from fsdp_replay.analysis.desync import desync_report
 
     trace = _open(args.trace)
-    rep = desync_report(trace)
+    rep = scrub_doc(desync_report(trace))
     if args.json:
         dump_json(rep)
         return EXIT_OK if rep["consistent"] else EXIT_FOUND
@@ -162,7 +162,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.plot:
         output_file(args.plot, "--plot", (args.trace_a, args.trace_b), PLOT_SUFFIXES)
     a, b = _open(args.trace_a), _open(args.trace_b)
-    res = diff_traces(a, b, [args.rank] if args.rank is not None else None)
+    res = scrub_doc(diff_traces(a, b, [args.rank] if args.rank is not None else None))
     if args.plot:
         plot_drift(res, args.plot)
     code = EXIT_FOUND if res["diverged"] else EXIT_OK

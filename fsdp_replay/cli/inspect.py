@@ -7,18 +7,30 @@ import json
 import sys
 from typing import Any
 
+import fsdp_replay
 from fsdp_replay.errors import ExitCode
 from fsdp_replay.options import env_option
+from fsdp_replay.trace import signing
 from fsdp_replay.trace.layout import resolve_trace
+from fsdp_replay.trace.redact import scrub_doc
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from fsdp_replay.analysis.summary import summarize
     from fsdp_replay.trace.reader import Trace
 
+    key = signing.key_of_option(args.signing_key)
     trace = Trace.open(resolve_trace(args.trace))
     ranks = [args.rank] if args.rank is not None else None
     summary = summarize(trace, ranks)
+    if newer := trace.newer_writer():
+        print(
+            f"fsdp-replay: note: the trace was written by fsdp-replay {newer}, newer than this one "
+            f"({fsdp_replay.__version__}): what it added beyond trace format {trace.meta.get('format_version')} is not read",
+            file=sys.stderr,
+        )
+    signature, forged = trace.signature(key, ranks)
+    summary["signature"] = {"text": signature, "bad": forged}
     from fsdp_replay.analysis.findings import finding, findings
 
     try:
@@ -38,6 +50,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "blob_bytes": checked.blob_bytes,
             "problems": checked.problems,
         }
+    summary = scrub_doc(summary)  # what a trace holds is redacted already; this is the last check
     if args.json:
         json.dump(summary, sys.stdout, indent=2, default=str)
         print()
@@ -45,6 +58,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from fsdp_replay.cli.render import print_summary
 
         print_summary(summary, verbose=args.verbose)
+        print(f"signature: {signature}")
+    if forged:
+        print(f"fsdp-replay: SIGNATURE: {signature}", file=sys.stderr)
     if args.verify:
         v = summary["verify"]
         for problem in v["problems"]:
@@ -56,7 +72,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
         if v["problems"]:
             return ExitCode.UNUSABLE
-    return ExitCode.OK
+    return ExitCode.UNUSABLE if forged else ExitCode.OK
 
 
 def register(sub: Any) -> None:
@@ -70,5 +86,11 @@ def register(sub: Any) -> None:
         "--verify",
         kind="flag",
         help="read every array and payload blob and check it against the trace's digests (exit 3 if any is damaged)",
+    )
+    env_option(
+        i,
+        "--signing-key",
+        help="a file holding the key the trace was signed with: check its signature (exit 3 if it does not "
+        "match, or the trace is not signed)",
     )
     i.set_defaults(func=cmd_inspect)

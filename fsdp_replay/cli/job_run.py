@@ -59,6 +59,7 @@ def cmd_job_run(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     argv += ["--device", args.device] if args.device else []
     argv += ["--force"] if args.force else []
+    argv += ["--trust-trace"] if args.trust_trace else []
     code = main(argv)
     if not (local / REPORT_JSON).is_file():
         _unusable_report(local, args.rank, code)
@@ -123,4 +124,7 @@ def register(sub: Any) -> None:
         p, "--per-rank", kind="flag", help="store the report in REPORT/rank-NNNNN (an Indexed Job's pods)"
     )
     env_option(p, "--force", kind="flag", help="replay even if the script or torch version differ")
+    env_option(
+        p, "--trust-trace", kind="flag", help="only for a trace you made yourself: replay --trust-trace"
+    )
     p.set_defaults(func=cmd_job_run)

@@ -14,7 +14,7 @@ from fsdp_replay import __version__
 from fsdp_replay.cli.render import print_collect
 from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError, TraceNotFoundError
 from fsdp_replay.options import env_option, usage_with_command
-from fsdp_replay.trace import schema, spool
+from fsdp_replay.trace import schema, signing, spool
 from fsdp_replay.trace.layout import (
     ATTACHED_DIR,
     RUN_JSON,
@@ -78,6 +78,7 @@ def _cxx_tape() -> str:
 def cmd_record(args: argparse.Namespace) -> int:
     from fsdp_replay.agent.config import CuptiPolicy, RecordConfig, StepSet, parse_alloc_history
     from fsdp_replay.cli.launch import agent_env, run_command
+    from fsdp_replay.trace import redact_key
     from fsdp_replay.trace.redact import redact_argv
 
     command = list(args.command)
@@ -95,8 +96,10 @@ def cmd_record(args: argparse.Namespace) -> int:
             f"{out} already holds a recording; choose another --out (runs are never mixed, nor written over)"
         )
     output_folder(out, "--out")  # before the agent's libraries are built: a bad folder says so at once
+    signing_key = signing.key_of_option(args.signing_key)  # a bad key file too
     # a run that recorded nothing there before left only its processes' attach markers: not theirs now
     shutil.rmtree(attached_dir(out), ignore_errors=True)
+    redaction_key = redact_key.for_run(out)  # RUN/redact.key, beside the trace, never in it
     config = RecordConfig(
         out=str(out),
         payloads=StepSet.parse(args.payloads),
@@ -117,10 +120,15 @@ def cmd_record(args: argparse.Namespace) -> int:
         cupti=CuptiPolicy.parse(args.cupti),
         cxx_kernel_lib=_cxx_kernel() if _wants_cxx_kernel(args) else "",
         cxx_tape_lib=_cxx_tape() if _wants_cxx_tape(args) else "",
+        redact_key=redaction_key,
     )
     env = agent_env(out, config.to_env())
     print(f"fsdp-replay: recording into {out}", file=sys.stderr)
-    run: dict[str, Any] = {"command": redact_argv(command), "exit_code": None, "fsdp_replay": __version__}
+    run: dict[str, Any] = {
+        "command": redact_argv(command, redaction_key),
+        "exit_code": None,
+        "fsdp_replay": __version__,
+    }
     _write_run(out, run)  # before the run too: a record process killed mid-run still leaves it
     code, info = run_command(
         command, env, orphan_note=f"Its spools are kept: build the trace with `fsdp-replay collect {out}`"
@@ -135,7 +143,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         print(f"fsdp-replay: {nothing_recorded(out, code)}", file=sys.stderr)
         return code if code else ExitCode.UNUSABLE
     try:
-        report = collect_run(out, run)
+        report = collect_run(out, run, signing_key=signing_key)
     except OSError as e:
         # The recording itself is whole in the spools: say where the trace could not be written
         # and how to write it elsewhere; the command's own exit code stays the exit code.
@@ -247,7 +255,11 @@ def _write_run(out: Path, run: dict[str, Any]) -> None:
 
 
 def collect_run(
-    out: Path, run: dict[str, Any] | None = None, strict: bool = False, trace: str | None = None
+    out: Path,
+    run: dict[str, Any] | None = None,
+    strict: bool = False,
+    trace: str | None = None,
+    signing_key: signing.SigningKey | None = None,
 ) -> Any:
     """Build the trace of run folder ``out`` (``trace``: elsewhere), saying so if it must wait."""
     from fsdp_replay.trace.collect import collect
@@ -263,6 +275,7 @@ def collect_run(
         run=run,
         strict=strict,
         on_wait=lambda msg: print(f"fsdp-replay: {msg}", file=sys.stderr),
+        signing_key=signing_key,
     )
 
 
@@ -291,9 +304,17 @@ def cmd_collect(args: argparse.Namespace) -> int:
         why = nothing_recorded(out, code if isinstance(code, int) else None, output_above=False)
         print(f"fsdp-replay: nothing to collect in {out}: {why}", file=sys.stderr)
         return ExitCode.UNUSABLE
-    report = collect_run(out, strict=args.strict, trace=args.trace)
+    report = collect_run(
+        out, strict=args.strict, trace=args.trace, signing_key=signing.key_of_option(args.signing_key)
+    )
     print_collect(report)
     return ExitCode.UNUSABLE if report.damaged else ExitCode.OK
+
+
+_SIGNING_KEY_HELP = (
+    "a file holding a key (16+ random bytes) that signs the trace, so inspect and replay given the same key "
+    "can tell it was not changed since"
+)
 
 
 def register(sub: Any) -> None:
@@ -445,6 +466,7 @@ def register(sub: Any) -> None:
         kind="flag",
         help="keep the spool folder after building the trace (always kept when any record was damaged)",
     )
+    env_option(r, "--signing-key", help=_SIGNING_KEY_HELP)
     r.set_defaults(func=cmd_record)
     usage_with_command(r, "-- COMMAND [ARG ...]")
 
@@ -457,4 +479,5 @@ def register(sub: Any) -> None:
         help="where to write the trace: a folder or an fsspec URL such as s3://bucket/run1 (default "
         f"RUN/{schema.TRACE_DIR})",
     )
+    env_option(c, "--signing-key", help=_SIGNING_KEY_HELP)
     c.set_defaults(func=cmd_collect)

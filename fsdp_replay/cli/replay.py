@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsdp_replay.errors import ConfigError, ExitCode
+from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError
 from fsdp_replay.options import env_option, usage_with_command
-from fsdp_replay.trace import schema
+from fsdp_replay.trace import redact_key, schema, signing
 from fsdp_replay.trace.layout import (
     RANK_REPORT_FMT,
     REPLAY_PNG,
@@ -24,6 +24,7 @@ from fsdp_replay.trace.layout import (
     output_folder,
     resolve_trace,
 )
+from fsdp_replay.trace.redact import scrub_doc, scrub_text
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -32,6 +33,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from fsdp_replay.replayer.config import ReplayConfig
 
     trace_url = resolve_trace(args.trace)
+    key = signing.key_of_option(args.signing_key)
     chosen = args.rank is not None
     if not chosen:
         args.rank = 0
@@ -44,16 +46,41 @@ def cmd_replay(args: argparse.Namespace) -> int:
         )
     override = list(args.command)
     pairs = launch.path_map(meta, args.cwd, args.map)
-    command, cwd = launch.replay_command(meta, override, pairs)
+    notes: list[str] = []
+    signature, forged = trace.signature(key, None if args.all_ranks else [args.rank])
+    if forged:
+        raise TraceFormatError(f"the trace is {signature}", path=trace_url)
+    print(f"fsdp-replay: the trace is {signature}", file=sys.stderr)
+    if newer := trace.newer_writer():
+        notes.append(
+            f"the trace was written by fsdp-replay {newer}, newer than this one: what it added is not read"
+        )
+    command, cwd = launch.replay_command(meta, override, pairs, trusted=args.trust_trace, notes=notes)
+    if not override:
+        launch.check_script(
+            meta,
+            command,
+            cwd,
+            pairs,
+            trace.rank(args.rank).attrs.get("modules"),
+            force=args.force,
+            trusted=args.trust_trace,
+        )
     if not args.force:
-        launch.check_script(meta, command, cwd, pairs, trace.rank(args.rank).attrs.get("modules"))
         launch.check_torch(meta)
     _check_steps(trace, args)
     _check_device(args.device)
     world = int(meta.get("world_size") or trace.world_size or 1)
     who = "all ranks" if args.all_ranks else f"rank {args.rank}"
     out = Path(args.report) if args.report else launch.report_dir(trace_url, who, args.from_step)
-    _check_report_dir(out, trace_url)  # and makes it
+    try:
+        _check_report_dir(out, trace_url)  # and makes it
+    except ConfigError as e:
+        if args.report:
+            raise
+        raise ConfigError(
+            f"{e}: the report goes beside the trace by default; give another folder with --report DIR"
+        ) from None
     config = ReplayConfig(
         trace=str(Path(trace_url).absolute()) if "://" not in trace_url else trace_url,
         rank=args.rank,
@@ -65,12 +92,25 @@ def cmd_replay(args: argparse.Namespace) -> int:
         data=args.data,
         path_map=json.dumps(pairs) if pairs else "",
         fast_forward_warmup=args.fast_forward_warmup,
-        redacted_env=",".join(sorted(k for k, v in (meta.get("env") or {}).items() if v == schema.REDACTED)),
+        trust_trace=args.trust_trace,
+        signing_key=str(Path(args.signing_key).absolute()) if args.signing_key else "",
+        redacted_env=",".join(
+            sorted(k for k, v in (meta.get("env") or {}).items() if schema.has_redacted(v))
+        ),
     )
-    notes: list[str] = []
-    env = launch.replay_env(meta, args.rank, world, args.device, notes, pairs)
+    env = launch.replay_env(
+        meta,
+        args.rank,
+        world,
+        args.device,
+        notes,
+        pairs,
+        trusted=args.trust_trace,
+        redact_key=redact_key.find(trace_url),
+    )
     for old, new in pairs:
         notes.append(f"the recorded run's {old} is {new} here")
+    notes[:] = [scrub_text(n) for n in notes]
     for n in notes:
         print(f"fsdp-replay: note: {n}", file=sys.stderr)
     if args.all_ranks:
@@ -84,7 +124,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 del env[k]
     env = agent_env(out, config.to_env(), env)
     print(
-        f"fsdp-replay: replaying {who} of {world} from step {args.from_step}: {' '.join(command)}",
+        f"fsdp-replay: replaying {who} of {world} from step {args.from_step}: {scrub_text(' '.join(command))}",
         file=sys.stderr,
     )
     if args.from_step > 0:
@@ -208,6 +248,7 @@ def finish_report(report_path: Path, code: int, notes: list[str], stopped: int |
             divergences=[],
         )
     report["notes"] = [*notes, *report.get("notes", [])]
+    report = scrub_doc(report)  # the program's exception and notes may quote a credential
     atomic_write(report_path, json.dumps(report, indent=2, default=str) + "\n")
     text = render_text(report)
     atomic_write(report_path.parent / REPORT_TXT, text)
@@ -236,7 +277,7 @@ def _finish_all_ranks(out: Path, world: int, code: int, notes: list[str], stoppe
             print(
                 f"fsdp-replay: rank {rank} wrote no report (the run exited with code {code})", file=sys.stderr
             )
-    merged = merge_reports(reports, world)
+    merged = scrub_doc(merge_reports(reports, world))
     atomic_write(out / REPORT_JSON, json.dumps(merged, indent=2, default=str) + "\n")
     results = [
         finish_report(out / RANK_REPORT_FMT.format(rank=r["rank"]) / REPORT_JSON, code, notes, stopped)
@@ -294,6 +335,20 @@ def register(sub: Any) -> None:
         "the record (for traces recorded without payloads)",
     )
     env_option(rp, "--force", kind="flag", help="replay even if the script or torch version differ")
+    env_option(
+        rp,
+        "--signing-key",
+        help="a file holding the key the trace was signed with: the replay refuses a trace whose signature "
+        "does not match it, or that is not signed",
+    )
+    env_option(
+        rp,
+        "--trust-trace",
+        kind="flag",
+        help="only for a trace you made yourself: run its recorded interpreter and command line as they are "
+        "(code given with -c, a script the record does not identify), take the variables that load code "
+        "(LD_*, plug-ins) from it, and load an older agent's pickled snapshot as a pickle",
+    )
     env_option(
         rp,
         "--cwd",

@@ -47,6 +47,9 @@ class InjectorConfig:
     """Default trace store URL for the sidecar (``FSDP_REPLAY_SIDECAR_STORE``); empty: the sidecar's default."""
     annotation_prefix: str = "fsdp-replay.io"
     """Prefix of every annotation and label the injector reads or writes (``<prefix>/record``)."""
+    signing_key_secret: str = ""
+    """A Secret in each recorded pod's namespace whose item ``key`` signs the traces its sidecar collects
+    (``docs/kubernetes.md``, "Signed traces"); empty: traces are not signed."""
     sidecar_mode: str = "auto"
     """native (an init container with ``restartPolicy: Always``), container (a plain one), or auto."""
     kubernetes_version: str = ""
@@ -98,6 +101,11 @@ class InjectorConfig:
             raise ConfigError(f"{env_name('payloads')}: {why}")
         if any(c.isspace() for c in self.store):
             raise ConfigError(f"{env_name('store')}={self.store!r}: a URL has no spaces")
+        if self.signing_key_secret and not validate.is_dns_subdomain(self.signing_key_secret):
+            raise ConfigError(
+                f"{env_name('signing_key_secret')}={self.signing_key_secret!r}: a Secret's name is a lowercase "
+                "DNS subdomain"
+            )
         if not validate.is_dns_subdomain(self.annotation_prefix):
             raise ConfigError(
                 f"{env_name('annotation_prefix')}={self.annotation_prefix!r}: an annotation prefix is a "

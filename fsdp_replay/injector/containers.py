@@ -33,7 +33,12 @@ OUR_CONTAINERS = frozenset({COPY_CONTAINER, SIDECAR_CONTAINER})
 AGENT_VOLUME = "fsdp-replay-agent"
 SPOOL_VOLUME = "fsdp-replay-spool"
 SIDECAR_TMP_VOLUME = "fsdp-replay-tmp"
-OUR_VOLUMES = frozenset({AGENT_VOLUME, SPOOL_VOLUME, SIDECAR_TMP_VOLUME})
+SIGNING_VOLUME = "fsdp-replay-signing-key"
+OUR_VOLUMES = frozenset({AGENT_VOLUME, SPOOL_VOLUME, SIDECAR_TMP_VOLUME, SIGNING_VOLUME})
+# The signing key Secret's item, and where the sidecar (and a replay Job) read it.
+SIGNING_KEY_ITEM = "key"
+SIGNING_KEY_DIR = "/var/run/fsdp-replay-signing"
+SIGNING_KEY_FILE = f"{SIGNING_KEY_DIR}/{SIGNING_KEY_ITEM}"
 
 # The agent payload image: `pip install --no-deps --target /fsdp-replay/lib .`
 PAYLOAD_SOURCE = "/fsdp-replay"
@@ -57,6 +62,7 @@ SIDECAR_ENV_STORE = "FSDP_REPLAY_SIDECAR_STORE"
 SIDECAR_ENV_METRICS_PORT = "FSDP_REPLAY_SIDECAR_METRICS_PORT"
 SIDECAR_ENV_MODE = "FSDP_REPLAY_SIDECAR_MODE"
 SIDECAR_ENV_CONTAINERS = "FSDP_REPLAY_SIDECAR_CONTAINERS"
+SIDECAR_ENV_SIGNING_KEY = "FSDP_REPLAY_SIDECAR_SIGNING_KEY"
 SIDECAR_ENV_FIELDS = (
     ("FSDP_REPLAY_SIDECAR_POD_NAME", "metadata.name"),
     ("FSDP_REPLAY_SIDECAR_POD_NAMESPACE", "metadata.namespace"),
@@ -71,13 +77,34 @@ def agent_dirs(mount_path: str) -> tuple[str, str]:
     return posixpath.join(lib, str(SITE_IN_LIB)), lib
 
 
-def volumes() -> list[dict[str, Any]]:
-    """The emptyDirs: the agent payload, the spool (the run folder) and the sidecar's /tmp.
+def volumes(config: InjectorConfig) -> list[dict[str, Any]]:
+    """The emptyDirs: the agent payload, the spool (the run folder) and the sidecar's /tmp; and
+    with a signing key, its Secret.
 
     No ``sizeLimit`` on the spool: exceeding one evicts the pod, which would kill the training run,
     while on a full disk the agent drops payloads first and keeps recording metadata.
     """
-    return [{"name": name, "emptyDir": {}} for name in (AGENT_VOLUME, SPOOL_VOLUME, SIDECAR_TMP_VOLUME)]
+    out = [{"name": name, "emptyDir": {}} for name in (AGENT_VOLUME, SPOOL_VOLUME, SIDECAR_TMP_VOLUME)]
+    if config.signing_key_secret:
+        out.append(signing_volume(config.signing_key_secret))
+    return out
+
+
+def signing_volume(secret: str) -> dict[str, Any]:
+    """The signing key's Secret as a volume. Optional: a missing Secret must not hold the pod back
+    (the sidecar then collects unsigned traces and says so in its log)."""
+    return {
+        "name": SIGNING_VOLUME,
+        "secret": {
+            "secretName": secret,
+            "items": [{"key": SIGNING_KEY_ITEM, "path": SIGNING_KEY_ITEM}],
+            "defaultMode": 0o440,
+            "optional": True,
+        },
+    }
+
+
+SIGNING_MOUNT: dict[str, Any] = {"name": SIGNING_VOLUME, "mountPath": SIGNING_KEY_DIR, "readOnly": True}
 
 
 def trainer_mounts(config: InjectorConfig) -> list[dict[str, Any]]:
@@ -159,6 +186,8 @@ def sidecar_container(
     ]
     if settings.store:
         env.append({"name": SIDECAR_ENV_STORE, "value": settings.store})
+    if config.signing_key_secret:
+        env.append({"name": SIDECAR_ENV_SIGNING_KEY, "value": SIGNING_KEY_FILE})
     env += [{"name": n, "valueFrom": {"fieldRef": {"fieldPath": p}}} for n, p in SIDECAR_ENV_FIELDS]
 
     def probe(**timing: int) -> dict[str, Any]:  # a fresh dict each: no shared objects in the pod
@@ -185,6 +214,7 @@ def sidecar_container(
         volumeMounts=[
             {"name": SPOOL_VOLUME, "mountPath": config.spool_path},
             {"name": SIDECAR_TMP_VOLUME, "mountPath": SIDECAR_TMP},
+            *([dict(SIGNING_MOUNT)] if config.signing_key_secret else []),
         ],
         securityContext=sidecar_security_context(config),
         terminationMessagePolicy="FallbackToLogsOnError",

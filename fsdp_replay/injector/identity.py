@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdp_replay.errors import TraceFormatError
-from fsdp_replay.trace.schema import REDACTED
+from fsdp_replay.trace.schema import has_redacted, is_redacted
 
 ENV_POD_IMAGE = "FSDP_REPLAY_POD_IMAGE"
 ENV_POD_CONTAINER = "FSDP_REPLAY_POD_CONTAINER"
@@ -111,11 +111,11 @@ def recorded_pod(env: Mapping[str, str]) -> RecordedPod:
 
     def plain(name: str) -> str | None:
         value = env.get(name)
-        return value if value and value != REDACTED else None
+        return value if value and not has_redacted(value) else None
 
     raw = env.get(ENV_POD_REFS)
     refs: dict[str, Any] = {}
-    if raw == REDACTED:
+    if is_redacted(raw):
         raise TraceFormatError(
             f"the recording redacted {ENV_POD_REFS} (a Secret's name looked like a credential): "
             "the Secrets the recorded pod used are unknown"

@@ -47,10 +47,11 @@ from fsdp_replay.boot.pythonpath import agent_pythonpath
 from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError
 from fsdp_replay.injector import containers
 from fsdp_replay.injector.config import InjectorConfig
-from fsdp_replay.injector.identity import REDACTED, RecordedPod, recorded_pod
+from fsdp_replay.injector.identity import RecordedPod, recorded_pod
 from fsdp_replay.injector.job_config import MAX_NAME_CHARS, JobConfig
-from fsdp_replay.trace import schema
+from fsdp_replay.trace import command, schema, signing
 from fsdp_replay.trace.layout import REPLAYS_DIR
+from fsdp_replay.trace.redact import scrub_doc, scrub_text
 
 REPLAY_CONTAINER = "replay"
 PAYLOAD_CONTAINER = "fsdp-replay-payload"
@@ -124,9 +125,15 @@ def render(meta: Mapping[str, Any], trace_url: str, world: int, config: JobConfi
             "the trace does not say where the rank ran (it was not recorded in a pod the injector "
             f"prepared, or its image was redacted): give {' and '.join(missing)}"
         )
-    executable = meta.get("executable")
-    if not isinstance(executable, str) or not executable.startswith("/"):
-        raise TraceFormatError("the trace does not record the rank's Python interpreter (executable)")
+    executable = command.interpreter(meta.get("executable"))
+    if executable is None:
+        raise TraceFormatError(
+            "the trace does not record the rank's Python interpreter (its executable is "
+            f"{str(meta.get('executable'))[:80]!r}): the Job runs only a Python interpreter of the image"
+        )
+    parsed = command.parse(command.recorded_argv(meta))
+    if parsed.problems and not config.trust_trace:
+        raise TraceFormatError(command.refusal(parsed.problems))
     warnings: list[str] = []
     name = config.name or default_name(pod.name, config)
     report = config.report or default_report(trace_url, name)
@@ -146,6 +153,7 @@ def render(meta: Mapping[str, Any], trace_url: str, world: int, config: JobConfi
         {"name": WORK_VOLUME, "emptyDir": {}},
         *({"name": f"claim-{i}", "persistentVolumeClaim": {"claimName": c.partition(":")[0]}}
           for i, c in enumerate(config.volume_claims)),
+        *([containers.signing_volume(config.signing_key_secret)] if config.signing_key_secret else []),
     ]  # fmt: skip
     template = {
         "metadata": {
@@ -204,7 +212,15 @@ def render(meta: Mapping[str, Any], trace_url: str, world: int, config: JobConfi
     }
     warnings += _policy_warnings(meta, world)
     warnings += _path_warnings(trace_url, report, config)
-    return RenderedJob(manifest=manifest, warnings=warnings, name=name, namespace=namespace, report=report)
+    # the manifest holds no recorded value by design; the command annotation and the warnings quote
+    # the trace, which the recording redacted: this is the last check before a reviewer reads it
+    return RenderedJob(
+        manifest=scrub_doc(manifest),
+        warnings=[scrub_text(w) for w in warnings],
+        name=name,
+        namespace=namespace,
+        report=report,
+    )
 
 
 # -- the containers -----------------------------------------------------------------------------
@@ -257,6 +273,7 @@ def _replay_container(
     args += ["--report", report, "--work-dir", posixpath.join(config.work_path, WORK_REPORT)]
     args += ["--per-rank"] if config.all_ranks else []
     args += ["--force"] if config.force else []
+    args += [command.TRUST_FLAG] if config.trust_trace else []
 
     site, lib = containers.agent_dirs(config.mount_path)
     variables: list[dict[str, Any]] = [
@@ -266,6 +283,8 @@ def _replay_container(
     if config.all_ranks:
         variables.append({"name": ENV_RANK, "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX_FIELD}}})
     variables += _credentials(env, pod, warnings)
+    if config.signing_key_secret:
+        variables.append({"name": signing.KEY_FILE_ENV, "value": containers.SIGNING_KEY_FILE})
     container: dict[str, Any] = {
         "name": REPLAY_CONTAINER,
         "image": image,
@@ -293,6 +312,7 @@ def _replay_container(
             {"name": f"claim-{i}", "mountPath": c.partition(":")[2]}
             for i, c in enumerate(config.volume_claims)
         ),
+        *([dict(containers.SIGNING_MOUNT)] if config.signing_key_secret else []),
     ]
     # The log's end is the replay's verdict: `kubectl describe` shows it without `logs`.
     container["terminationMessagePolicy"] = "FallbackToLogsOnError"
@@ -301,7 +321,7 @@ def _replay_container(
 
 def _credentials(env: Mapping[str, str], pod: RecordedPod, warnings: list[str]) -> list[dict[str, Any]]:
     """The recorded container's source of each variable the recording redacted: never a value."""
-    redacted = sorted(k for k, v in env.items() if v == REDACTED and _replayed(k))
+    redacted = sorted(k for k, v in env.items() if schema.has_redacted(v) and _replayed(k))
     found: list[dict[str, Any]] = []
     unknown: list[str] = []
     for variable in redacted:
@@ -378,7 +398,7 @@ def default_report(trace_url: str, name: str) -> str:
 def user_pythonpath(env: Mapping[str, str]) -> str | None:
     """The recorded ``PYTHONPATH`` less the agent's two folders, which the recording put first."""
     recorded = env.get("PYTHONPATH")
-    if not recorded or recorded == REDACTED:
+    if not recorded or schema.has_redacted(recorded):
         return None
     parts = recorded.split(":")
     if parts and parts[0].rstrip("/").endswith(str(containers.SITE_IN_LIB)):
@@ -388,8 +408,7 @@ def user_pythonpath(env: Mapping[str, str]) -> str | None:
 
 def _recorded_command(meta: Mapping[str, Any], executable: str) -> list[str]:
     """The recorded command line as the replay runs it (``replayer/launch.py``): for the reader."""
-    orig = list(meta.get("orig_argv") or [])
-    return [executable, *(orig[1:] if orig else list(meta.get("argv") or []))]
+    return [executable, *command.recorded_argv(meta)]
 
 
 def _policy_warnings(meta: Mapping[str, Any], world: int) -> list[str]:

@@ -61,6 +61,9 @@ class JobConfig:
     """The pod's service account; default: the recorded pod's (its access to the store)."""
     store_secret: str = ""
     """A Secret whose keys become the replay's environment (store credentials); default: the recorded pod's store-secret."""
+    signing_key_secret: str = ""
+    """A Secret whose item ``key`` signed the trace (the injector's signing-key Secret): the replay refuses
+    the trace unless its signature matches; empty: the signature is not checked."""
     volume_claims: tuple[str, ...] = ()
     """PersistentVolumeClaims to mount, CLAIM:/path, comma-separated (a trace or report on shared storage)."""
     cpu: str = ""
@@ -79,6 +82,8 @@ class JobConfig:
     """Prefix of the Job's annotations, as the injector's (the pod opts out of recording with <prefix>/record)."""
     force: bool = False
     """Replay even if the script or torch version differ from the recorded ones (replay --force)."""
+    trust_trace: bool = False
+    """Only for a trace you made yourself: run its recorded command as it is (replay --trust-trace)."""
     dry_run: bool = False
     """Print the Job as YAML (for kubectl apply -f -) instead of creating it with kubectl."""
 
@@ -110,6 +115,7 @@ class JobConfig:
             ("name", validate.is_dns_label),
             ("service_account", validate.is_dns_subdomain),
             ("store_secret", validate.is_dns_subdomain),
+            ("signing_key_secret", validate.is_dns_subdomain),
             ("annotation_prefix", validate.is_dns_subdomain),
         ):
             value = getattr(self, name)

@@ -74,7 +74,7 @@ def mutate(
         ops += _container_ops(
             patch.pointer("spec", field, index), container, config, settings, identity, warnings
         )
-    ops += _appended(spec, "volumes", ours.volumes())
+    ops += _appended(spec, "volumes", ours.volumes(config))
     recorded = [c["name"] for _, _, c in selected]
     sidecar = ours.sidecar_container(config, settings, recorded, guaranteed=ours.is_guaranteed(spec))
     first_recorded_init = min((i for f, i, _ in selected if f == "initContainers"), default=None)

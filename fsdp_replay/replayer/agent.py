@@ -30,8 +30,8 @@ from fsdp_replay.agent.config import StepSet
 from fsdp_replay.agent.entropy import EntropyReplay
 from fsdp_replay.agent.hooks import Hooks
 from fsdp_replay.agent.tape import OpTape
-from fsdp_replay.errors import ConfigError, ExitCode, FsdpReplayError, TraceIncompleteError
-from fsdp_replay.replayer import env_watch, feed, overlay, restore, verify
+from fsdp_replay.errors import ConfigError, ExitCode, FsdpReplayError, TraceFormatError, TraceIncompleteError
+from fsdp_replay.replayer import env_watch, feed, overlay, restore, safe_unpickle, verify
 from fsdp_replay.replayer.config import ReplayConfig
 from fsdp_replay.replayer.expected import RankRecord
 from fsdp_replay.replayer.fake_pg import completed_work, redirect_to_fake_pg
@@ -42,6 +42,7 @@ from fsdp_replay.replayer.reach import Reach
 from fsdp_replay.replayer.report import KIND_TEXT, Divergence, build_report
 from fsdp_replay.replayer.serve import BatchServer
 from fsdp_replay.replayer.tape import ReplayTape, attach_tape
+from fsdp_replay.trace import signing
 from fsdp_replay.trace.completeness import exception_text
 from fsdp_replay.trace.layout import RANK_REPORT_FMT, REPORT_JSON, atomic_write
 from fsdp_replay.trace.reader import Trace
@@ -65,7 +66,16 @@ class Replayer:
         self.program_error_files: list[str] = []  # the files of its traceback's frames
         self.ops: OpCheck | None = None
         self.trace = Trace.open(config.trace)
-        self.rec = RankRecord(self.trace, self.rank)
+        self.rec = RankRecord(self.trace, self.rank, trusted=config.trust_trace)
+        if config.signing_key:  # the attributes this replay reads are the ones signed
+            key = signing.load_key(config.signing_key)
+            checks = {
+                "the root": signing.check(dict(self.trace.root.attrs), key),
+                f"rank {self.rank}": signing.check(self.rec.attrs, key),
+            }
+            line, bad = signing.describe(checks, key)
+            if bad:
+                raise TraceFormatError(f"the trace is {line}", path=config.trace)
         self.world = self.rec.world_size
         self.key = KeyCheck(self.rec.meta, self.rec.attrs.get("numerics_changes") or [], self.notes)
         self.from_step = config.from_step
@@ -223,6 +233,8 @@ class Replayer:
         if not self.live:
             backends = {str(g.get("name")): str(g.get("backend")) for g in self.rec.process_groups.values()}
             redirect_to_fake_pg(self.world, self.rank, self.refuse, backends)
+            if not self.config.trust_trace:  # received objects are bytes from the trace
+                safe_unpickle.install(str(m["name"]) for m in self.rec.attrs.get("modules") or [])
             self.rec.start_prefetch()
         if self.batch_server is not None:
             self.batch_server.install()

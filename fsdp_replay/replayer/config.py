@@ -40,6 +40,12 @@ class ReplayConfig:
     """Replaying from a snapshot at S: the first this many steps compute (frameworks' one-time
     set-up), the rest up to S run without kernels (``replayer/fastforward.py``). S or more: every
     step before S computes."""
+    trust_trace: bool = False
+    """The user vouches for the trace (``replay --trust-trace``): an older agent's pickled snapshot
+    loads as the pickle it is. Never the default: a trace is untrusted input."""
+    signing_key: str = ""
+    """A file holding the key the trace was signed with: the replay refuses a trace whose signature
+    does not match it (``trace/signing.py``); empty: the signature is not checked."""
     redacted_env: str = ""
     """Comma-separated: the variables the recording redacted, watched from interpreter start
     (``replayer/env_watch.py``) so the report can name one the program looked up."""
@@ -84,6 +90,8 @@ class ReplayConfig:
             ENV_PREFIX + "REPORT": self.report,
             ENV_PREFIX + "LIVE": "1" if self.live else "0",
             ENV_PREFIX + "FORCE": "1" if self.force else "0",
+            ENV_PREFIX + "TRUST_TRACE": "1" if self.trust_trace else "0",
+            ENV_PREFIX + "SIGNING_KEY": self.signing_key,
             ENV_PREFIX + "DATA": self.data,
             ENV_PREFIX + "PATH_MAP": self.path_map,
             ENV_PREFIX + "FAST_FORWARD_WARMUP": str(self.fast_forward_warmup),

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fsdp_replay.agent import capture
 from fsdp_replay.errors import TraceFormatError, TraceNotFoundError
 from fsdp_replay.trace.reader import RankTrace, Trace
 from fsdp_replay.trace.schema import MODULE_KINDS, ROLE_LETTERS
@@ -81,7 +82,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class RankRecord:
-    def __init__(self, trace: Trace, rank: int) -> None:
+    def __init__(self, trace: Trace, rank: int, *, trusted: bool = False) -> None:
+        self.trusted = trusted  # replay --trust-trace: the user vouches for the trace
         self.trace = trace
         self.rank_trace: RankTrace = trace.rank(rank)
         self.rank = rank
@@ -269,6 +271,11 @@ class RankRecord:
 
     def blob(self, row: int) -> bytes:
         return self.rank_trace.payload(row)
+
+    def snapshot_state(self, row: int) -> dict[str, Any]:
+        """The snapshot stored in payload ``row``, decoded without running anything from the trace
+        (an older agent's pickled snapshot as a pickle only under ``replay --trust-trace``)."""
+        return capture.decode_snapshot(self.blob(row), trusted=self.trusted)
 
     def _load(self, t: ExpectedTensor) -> torch.Tensor:
         with self._lock:

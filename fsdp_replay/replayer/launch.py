@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_replay.errors import ConfigError, ReplayMismatchError, TraceFormatError
-from fsdp_replay.trace import schema
+from fsdp_replay.trace import command, redact, schema
+from fsdp_replay.trace.command import recorded_argv
 from fsdp_replay.trace.numerics import KEY_ENV, NCCL_ENV
 from fsdp_replay.trace.reader import Trace
 
@@ -83,25 +84,45 @@ def _mapped_arg(arg: str, pairs: PathMap) -> str:
 
 
 def replay_command(
-    meta: dict[str, Any], override: list[str], pairs: PathMap | None = None
+    meta: dict[str, Any],
+    override: list[str],
+    pairs: PathMap | None = None,
+    *,
+    trusted: bool = False,
+    notes: list[str] | None = None,
 ) -> tuple[list[str], str]:
+    """The command that replays the rank, and its working directory. A command given after ``--``
+    is the user's. The recorded one is data from the trace: it runs only as a Python interpreter
+    of this machine on a script (or ``-m`` module) with interpreter options from a known list
+    (``trace/command.py``); anything else needs ``trusted`` (``--trust-trace``)."""
     pairs = pairs or []
     if override:
         return override, os.getcwd()
     # The interpreter's own command line: `python -m pkg.mod`, `-u`, and a wrapper that rewrote
     # sys.argv before running the script are replayed as they were started.
-    orig = list(meta.get("orig_argv") or [])
-    argv = orig[1:] if orig else list(meta.get("argv") or [])
+    argv = recorded_argv(meta)
     if not argv:
         raise TraceFormatError("the trace does not record this rank's command line; give one after --")
-    if schema.REDACTED in " ".join(argv):
+    if schema.has_redacted(" ".join(argv)):
         raise ReplayMismatchError(
             "the recorded command line had credentials, which the trace does not keep; "
             "give the command after -- (e.g. -- python train.py --token ...)"
         )
-    exe = meta.get("executable") or sys.executable
-    if not os.path.exists(exe):
-        exe = sys.executable
+    parsed = command.parse(argv)
+    exe = meta.get("executable")
+    if trusted:
+        exe = exe if isinstance(exe, str) and os.path.exists(exe) else sys.executable
+    else:
+        if parsed.problems:
+            raise ReplayMismatchError(command.refusal(parsed.problems))
+        python = command.interpreter(exe)
+        if python is None and notes is not None:
+            notes.append(
+                f"the trace names {str(exe)[:80]!r} as the interpreter, which is not a Python interpreter: "
+                f"the replay runs {sys.executable}"
+            )
+        exe = python if python is not None and os.path.isfile(python) else sys.executable
+        argv = parsed.argv
     cwd = mapped(meta.get("cwd") or os.getcwd(), pairs)
     if not os.path.isdir(cwd):
         cwd = os.getcwd()
@@ -114,35 +135,80 @@ def _sha256(path: Path) -> str:
 
 def check_script(
     meta: dict[str, Any],
-    command: list[str],
+    command_line: list[str],
     cwd: str,
     pairs: PathMap | None = None,
     modules: list[dict[str, Any]] | None = None,
+    *,
+    force: bool = False,
+    trusted: bool = False,
 ) -> None:
     """Refuse when the script on disk is not the one recorded (by sha256), or a local module the
-    recorded program imported (from its folder) differs or is missing."""
+    recorded program imported (from its folder) differs or is missing. A recorded command whose
+    script the record does not identify runs only ``trusted``; ``force`` runs a changed script."""
     pairs = pairs or []
     moved = " (give the recorded folders' place here with --cwd or --map OLD=NEW)"
-    script = meta.get("script") or {}
+    recorded_script = meta.get("script")
+    script: dict[str, Any] = recorded_script if isinstance(recorded_script, dict) else {}
     recorded = script.get("sha256")
-    if recorded:
-        recorded_path = mapped(script["path"], pairs) if script.get("path") else None
-        candidates = [a for a in command[1:] if a.endswith(".py")]
-        path: Path | None = None
-        if recorded_path and Path(recorded_path).is_file():
-            path = Path(recorded_path)
-        elif candidates:
-            path = Path(cwd, candidates[0])
-        if path is not None:
-            if not path.is_file():
-                raise ReplayMismatchError(f"the recorded script {script.get('path')} is not at {path}{moved}")
-            digest = _sha256(path)
-            if digest != recorded:
+    if not isinstance(recorded, str) or not recorded:
+        if not trusted:
+            raise ReplayMismatchError(
+                command.refusal(["a script the record does not identify (no sha256)"], "the trace")
+            )
+        return
+    recorded_path = mapped(str(script["path"]), pairs) if script.get("path") else None
+    parsed = command.parse(command_line[1:])
+    path: Path | None = None
+    if recorded_path and Path(recorded_path).is_file():
+        path = Path(recorded_path)
+    elif parsed.script:
+        path = Path(cwd, parsed.script)
+    if path is None:
+        raise ReplayMismatchError(f"the recorded script {script.get('path')} is not here{moved}")
+    if not path.is_file():
+        raise ReplayMismatchError(f"the recorded script {script.get('path')} is not at {path}{moved}")
+    if parsed.module is not None and not trusted and not _module_file(parsed.module, path):
+        raise ReplayMismatchError(
+            f"the trace's command line runs module {parsed.module}, which is not its recorded script "
+            f"{script.get('path')}: " + command.refusal(["a module the record does not identify"], "the trace")
+        )
+    checks = [(path, recorded)]
+    if parsed.script and Path(cwd, parsed.script).resolve() != path.resolve():
+        # a wrapper started first (it rewrote sys.argv and ran the script): the record names it too
+        named = script.get("started")
+        started: dict[str, Any] = named if isinstance(named, dict) else {}
+        first = Path(cwd, parsed.script)
+        if (
+            started.get("sha256")
+            and Path(mapped(str(started.get("path")), pairs)).resolve() == first.resolve()
+        ):
+            checks.append((first, str(started["sha256"])))
+        elif not trusted:
+            raise ReplayMismatchError(
+                f"the trace's command line starts {parsed.script}, which the record does not identify (its "
+                f"script is {script.get('path')}): "
+                + command.refusal(["a file the record does not identify"], "the trace")
+            )
+    if not trusted:
+        for file, _ in checks:
+            if _installed(file):
                 raise ReplayMismatchError(
-                    f"{path} is not the script that was recorded (sha256 {digest[:12]}… != recorded "
-                    f"{recorded[:12]}…): a replay of other code cannot be verified; pass --force to replay "
-                    "anyway"
+                    f"the trace's command line runs {file}, a module installed with this interpreter, not a "
+                    "program of the recording's own: " + command.refusal(["an installed module"], "the trace")
                 )
+    if force:
+        return
+    for file, sha in checks:
+        if not file.is_file():
+            raise ReplayMismatchError(f"the recorded program's file {file} is not here{moved}")
+        digest = _sha256(file)
+        if digest != sha:
+            raise ReplayMismatchError(
+                f"{file} is not the script that was recorded (sha256 {digest[:12]}… != recorded "
+                f"{sha[:12]}…): a replay of other code cannot be verified; pass --force to replay "
+                "anyway"
+            )
     for mod in modules or []:
         here = Path(mapped(str(mod["path"]), pairs))
         if not mod.get("sha256"):
@@ -156,6 +222,27 @@ def check_script(
                 f"{here} (module {mod['name']}) is not the one the recorded program imported (sha256 differs): "
                 "a replay of other code cannot be verified; pass --force to replay anyway"
             )
+
+
+def _module_file(module: str, path: Path) -> bool:
+    """Whether ``python -m module`` runs the file at ``path`` (``pkg/mod.py``, ``pkg/mod/__main__.py``)."""
+    parts = module.split(".")
+    tail = Path(*parts)
+    return path.parts[-len(parts) :] == (*tail.parts[:-1], f"{parts[-1]}.py") or path.parts[
+        -len(parts) - 1 :
+    ] == (*tail.parts, "__main__.py")
+
+
+def _installed(file: Path) -> bool:
+    """Whether ``file`` belongs to the interpreter's own library or its installed packages: a
+    command that runs one (``python -m pip install ...``) is not a training program's own."""
+    import site
+    import sysconfig
+
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots |= set(site.getsitepackages()) | {site.getusersitepackages()}
+    here = os.path.realpath(file)
+    return any(os.path.commonpath([here, os.path.realpath(r)]) == os.path.realpath(r) for r in roots if r)
 
 
 def check_torch(meta: dict[str, Any]) -> None:
@@ -178,35 +265,63 @@ def replay_env(
     device: str | None,
     notes: list[str] | None = None,
     pairs: PathMap | None = None,
+    *,
+    trusted: bool = False,
+    redact_key: str = "",
 ) -> dict[str, str]:
     """The replayed rank's environment: the recorded one (a path of a mapped folder mapped),
     except where the caller's own environment sets a variable to another value: an explicit
-    choice wins, and ``notes`` says so."""
+    choice wins, and ``notes`` says so. Variables that load code (``schema.ENV_LOADS_CODE``)
+    come from the trace only when ``trusted``. A redacted variable is the caller's own, if set;
+    with the run's key (``redact_key``) the notes say whether it is the recorded value. A note
+    never shows the value of a variable that has a secret name or a secret-looking value."""
     pairs = pairs or []
+    refused: list[str] = []
     env = dict(os.environ)
     for k in list(env):  # this shell's own launch (a replay started inside a job) is not the recorded one
         if k in LAUNCHER_ENV or k.startswith("TORCHELASTIC_"):
             del env[k]
     recorded = meta.get("env") or {}
     mine_wins: list[tuple[str, str, str]] = []
+    keyed: dict[bool, list[str]] = {True: [], False: []}
     for k, v in recorded.items():
-        if v == schema.REDACTED or k.startswith(_DROP_ENV):
+        if schema.has_redacted(v) and not k.startswith(_DROP_ENV) and k in os.environ:
+            same = redact.same_value(k, os.environ[k], v, redact_key)
+            if same is not None:
+                keyed[same].append(k)
+        if schema.has_redacted(v) or k.startswith(_DROP_ENV):
             continue
         if k in schema.ENV_MACHINE or k.startswith(schema.ENV_MACHINE_PREFIXES):
             continue  # the machine's and the shell's own: the replay's, wherever it runs
+        if not trusted and (k in schema.ENV_LOADS_CODE or k.startswith(schema.ENV_LOADS_CODE_PREFIXES)):
+            if os.environ.get(k) != v:
+                refused.append(k)
+            continue
         v = mapped(v, pairs) if os.path.isabs(v) else v
         mine = os.environ.get(k)
         if mine is not None and mine != v and k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_"):
             mine_wins.append((k, mine, v))
             continue
         env[k] = v
+    if refused and notes is not None:
+        notes.append(
+            f"{', '.join(sorted(refused)[:12])}: the trace sets {'these variables' if len(refused) > 1 else 'this variable'}, "
+            "which make a process load code; a replay does not take them from a trace (--trust-trace does)"
+        )
     # the ones that change numerics first (a thread count, the replay key's variables)
     mine_wins.sort(key=lambda x: (x[0] not in _NUMERICS_ENV, x[0]))
     if notes is not None:
-        notes += [
-            f"{k}={m} from your environment is used; the recorded run had {k}={v}"
-            for k, m, v in mine_wins[:8]
-        ]
+        notes += [_differs(k, m, v) for k, m, v in mine_wins[:8]]
+        if keyed[True]:
+            notes.append(
+                f"{', '.join(sorted(keyed[True]))} from your environment: the recorded value (the recording "
+                "redacted it; its keyed hash matches)"
+            )
+        if keyed[False]:
+            notes.append(
+                f"{', '.join(sorted(keyed[False]))} from your environment is used and differs from the recorded "
+                "run's (the recording redacted it; its keyed hash does not match)"
+            )
         if len(mine_wins) > 8:
             rest = [k for k, _, _ in mine_wins[8:]]
             notes.append(
@@ -249,6 +364,15 @@ def replay_env(
     elif device and device.startswith("cuda"):
         env["CUDA_VISIBLE_DEVICES"] = visible_device(device.partition(":")[2] or "0")
     return env
+
+
+def _differs(k: str, mine: str, recorded: str) -> str:
+    """The note for variable ``k`` whose value here is not the recorded one: both values, unless
+    the name or either value is secret-looking (then only that it differs)."""
+    secret = redact.secret_name(k) or any(redact.redact_value(v) != v for v in (mine, recorded))
+    if secret:
+        return f"{k} from your environment is used; it differs from the recorded run's"
+    return redact.scrub_text(f"{k}={mine} from your environment is used; the recorded run had {k}={recorded}")
 
 
 def visible_device(index: str) -> str:

@@ -514,7 +514,8 @@ def changed_inputs(ledger: dict[str, Any]) -> list[dict[str, Any]]:
         if now is None:
             changed.append({"path": rec["path"], "what": "missing"})
         elif now["size"] != rec["size"]:
-            changed.append({"path": rec["path"], "what": f"size {now['size']}, recorded {rec['size']}"})
+            # not the sizes: a crafted ledger must not make a replay tell any file's size here
+            changed.append({"path": rec["path"], "what": "its size differs from the recorded one"})
         elif rec.get("sha256") and now.get("sha256") and now["sha256"] != rec["sha256"]:
             changed.append({"path": rec["path"], "what": "its content differs (sha256)"})
         elif not rec.get("sha256") and now["mtime_ns"] != rec["mtime_ns"]:

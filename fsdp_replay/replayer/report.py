@@ -9,6 +9,7 @@ from typing import Any
 from fsdp_replay.analysis.payloads import magnitude as payload_magnitude
 from fsdp_replay.analysis.summary import compiled_summary, compiled_text
 from fsdp_replay.trace.numerics import DEVICE, LIBRARY, Mismatch, likely_cause
+from fsdp_replay.trace.redact import scrub_doc
 
 KIND_TEXT = {
     "collective_input": "a collective's input differs",
@@ -274,8 +275,9 @@ def merge_reports(reports: list[dict[str, Any]], world: int) -> dict[str, Any]:
 
 
 def build_report(r: Any, status: str, reason: str) -> dict[str, Any]:
-    """``report.json`` of a replayer ``r`` (``replayer/agent.py``), with its verdict."""
-    return {
+    """``report.json`` of a replayer ``r`` (``replayer/agent.py``), with its verdict; redacted
+    (``redact.scrub_doc``): the program's exception, a note or a path may quote a credential."""
+    report: dict[str, Any] = {
         "status": status,
         "reason": reason,
         "rank": r.rank,
@@ -314,3 +316,4 @@ def build_report(r: Any, status: str, reason: str) -> dict[str, Any]:
         "recorded_on_cuda": "cuda" in r.rec.attrs.get("device_names", []),
         "seconds": time.monotonic() - r.t0,
     }
+    return scrub_doc(report)

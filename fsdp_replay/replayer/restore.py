@@ -23,7 +23,7 @@ def restore_snapshot(
 ) -> None:
     """Load the snapshot's parameters, optimizer state, param-group settings, schedulers and the
     root modules' buffers into the live objects, in place (the program keeps its own objects)."""
-    state = capture.decode_snapshot(rec.blob(int(snap["payload"])))
+    state = rec.snapshot_state(int(snap["payload"]))
     saved = state["optimizers"][0]
     params = capture.optimizer_params(opt)
     if any(saved["state"]) and not opt.state:

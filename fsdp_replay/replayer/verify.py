@@ -369,7 +369,7 @@ def param_magnitude(rec: RankRecord, step: int, index: int, p: torch.Tensor) -> 
     snap = rec.snapshots.get(step + 1)
     if not snap or snap.get("payload", -1) < 0:
         return None
-    state = capture.decode_snapshot(rec.blob(int(snap["payload"])))
+    state = rec.snapshot_state(int(snap["payload"]))
     return magnitude(state["optimizers"][0]["params"][index], capture.local(p))
 
 

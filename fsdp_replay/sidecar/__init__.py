@@ -1,4 +1,4 @@
-"""The Kubernetes sidecar: spool -> trace collection (not built yet), eBPF uprobes on libnccl,
+"""The Kubernetes sidecar: spool -> trace collection (``ship``, signed with a key when given), eBPF uprobes on libnccl,
 Prometheus metrics on the capture's own overhead. Never imports torch; the only importer of bcc.
 
 The eBPF half (docs/sidecar-ebpf.md):
@@ -20,7 +20,9 @@ The daemon (docs/metrics.md):
 - ``ncclstats``: the probe's NCCL calls counted per rank, op and communicator.
 - ``processes``: CPU and memory of the training processes and of the sidecar (psutil).
 - ``metrics``: the sidecar's own CollectorRegistry and its Collector over all of the above.
-- ``server``: ``/metrics`` and ``/healthz``.
+- ``exposition``: the registry rendered at most once a second per format, shared by all scrapers.
+- ``server``: ``/metrics`` and ``/healthz`` (bounded threads and timeouts).
+- ``ship``: spools -> the trace at the store, one ``Collector`` kept between collections.
 - ``main``: the poll loop (discovery -> probes, spools -> rank states), signals, container-mode exit.
 - ``cli``: ``fsdp-replay sidecar`` (every option a flag and a variable; hidden ``--print-bpf``).
 """

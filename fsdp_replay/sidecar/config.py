@@ -51,6 +51,9 @@ class SidecarConfig:
     """Trace store URL (``s3://bucket/prefix``) the collector uploads to; empty: ``OUT/trace.zarr``."""
     collect_interval_s: float = 0.0
     """Seconds between two collections of the trace into the store while trainers run (0: once, when they end)."""
+    signing_key: str = ""
+    """A file holding the key that signs the traces collected (``trace/signing.py``; the injector mounts
+    its Secret); empty: traces are not signed."""
     keep_spools: bool = False
     """Keep the spools after the store holds the trace whole (default: delete each rank's once it reads back whole)."""
     proc_root: str = "/proc"

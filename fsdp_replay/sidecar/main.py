@@ -102,6 +102,7 @@ class Sidecar:
             config.store,
             interval_s=config.collect_interval_s,
             keep_spools=config.keep_spools,
+            signing_key=config.signing_key,
             stats=self.state.ship,
             lock=self.state.lock,
             clock=clock,

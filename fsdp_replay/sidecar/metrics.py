@@ -30,6 +30,7 @@ from fsdp_replay.sidecar.processes import ProcessStats, Usage, own_usage
 from fsdp_replay.sidecar.ranks import DROP_REASONS, RankState
 from fsdp_replay.sidecar.ship import ShipStats
 from fsdp_replay.trace import schema
+from fsdp_replay.trace.redact import scrub_text
 
 PREFIX = "fsdp_replay_"
 NS_PER_S = 1e9
@@ -193,7 +194,8 @@ class SidecarCollector(Collector):
         yield InfoMetricFamily(
             PREFIX + "sidecar",
             "The sidecar's version, mode and pod identity.",
-            value={"version": __version__, **s.info},
+            # pod identity from the environment: redacted like everything the tool writes
+            value={"version": __version__, **{k: scrub_text(v) for k, v in s.info.items()}},
         )
         yield GaugeMetricFamily(
             _name("sidecar", "start_time_seconds"),

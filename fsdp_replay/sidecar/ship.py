@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_replay.trace import schema
+from fsdp_replay.errors import ConfigError
+from fsdp_replay.trace import schema, signing
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Shipper:
         *,
         interval_s: float,
         keep_spools: bool,
+        signing_key: str = "",
         stats: ShipStats,
         lock: Any,
         clock: Callable[[], float] = time.time,
@@ -68,6 +70,7 @@ class Shipper:
         self.url = store or str(Path(out) / schema.TRACE_DIR)
         self.interval_s = interval_s
         self.keep_spools = keep_spools
+        self.signing_key_file = signing_key
         self.stats = stats
         self.lock = lock
         self.clock = clock
@@ -75,6 +78,18 @@ class Shipper:
         self._collector: Any = None  # trace.collect.Collector, kept between collections
         self.collected: dict[int, int] = {}
         """Per rank, the spool bytes the store holds (the rest is the backlog)."""
+
+    def _signing_key(self) -> signing.SigningKey | None:
+        """The signing key, read when a collector is made (a Secret mounted later is found then).
+        A key that cannot be read leaves the trace unsigned, said in the log each time; the
+        trace is kept all the same (``inspect`` and ``replay`` say it is not signed)."""
+        if not self.signing_key_file:
+            return None
+        try:
+            return signing.load_key(self.signing_key_file)
+        except ConfigError as e:
+            log.error("the trace is collected UNSIGNED: %s", e)
+            return None
 
     def due(self, now: float) -> bool:
         """While trainers run: every ``interval_s`` (never when 0)."""
@@ -94,7 +109,7 @@ class Shipper:
         try:
             with collect_lock(self.spool_root):
                 if self._collector is None:
-                    self._collector = Collector(self.spool_root, self.url)
+                    self._collector = Collector(self.spool_root, self.url, signing_key=self._signing_key())
                 report = self._collector.collect(final=final, run=self._run_info())
         except Exception as e:  # the store down, the disk full, a damaged trace there: keep the spools
             self._collector = None  # it dropped its state: the next one resumes from the store

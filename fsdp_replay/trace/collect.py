@@ -29,7 +29,7 @@ from zarr.abc.store import Store
 
 import fsdp_replay
 from fsdp_replay.errors import TraceFormatError
-from fsdp_replay.trace import layout, schema, spool
+from fsdp_replay.trace import layout, schema, signing, spool
 from fsdp_replay.trace.follow import SpoolFollower
 from fsdp_replay.trace.rank_builder import CollectReport, RankBuilder, RankReport, UnknownEventError, jsonable
 from fsdp_replay.trace.rank_store import Cursor, RankStore, segment_created, segment_index
@@ -94,8 +94,10 @@ class Collector:
         strict: bool = False,
         chunk_rows: int = COLUMN_CHUNK,
         blob_codec: str = DEFAULT_BLOB_CODEC,
+        signing_key: signing.SigningKey | None = None,
     ) -> None:
         self.spool_root = Path(spool_root)
+        self.signing_key = signing_key  # signs the root's and each rank's attributes (trace/signing.py)
         self.trace = trace_url
         self.trace_url = str(trace_url) if isinstance(trace_url, Store) else os.fspath(trace_url)
         self.strict = strict
@@ -181,7 +183,7 @@ class Collector:
                 state.builder.report = rr
                 return state
             state.follower.close()
-        store = RankStore(root, rank, folder, self.chunk_rows)
+        store = RankStore(root, rank, folder, self.chunk_rows, self.signing_key)
         builder = self._builder(root, rank, rr)
         # strict checks every record: it reads the spool from its start, as a first collection
         cursor = None if self.strict else store.resume(builder)
@@ -325,9 +327,16 @@ class Collector:
         )
         if run is not None:
             meta["run"] = jsonable(run)
-        text = json.dumps(meta, sort_keys=True, default=str)
+        doc: dict[str, Any] = {schema.ROOT_ATTR: meta}
+        if self.signing_key is not None:
+            doc[signing.SIGNATURE_ATTR] = signing.sign(
+                self.signing_key, json.loads(json.dumps(doc, default=str))
+            )
+        text = json.dumps(doc, sort_keys=True, default=str)
         if text != self._root_attrs:
-            root.attrs[schema.ROOT_ATTR] = meta
+            root.attrs.update(doc)
+            if self.signing_key is None and signing.SIGNATURE_ATTR in root.attrs:
+                del root.attrs[signing.SIGNATURE_ATTR]  # an unsigned collection over a signed trace
             self._root_attrs = text
 
 
@@ -341,6 +350,7 @@ def collect(
     on_wait: Callable[[str], None] | None = None,
     chunk_rows: int = COLUMN_CHUNK,
     blob_codec: str = DEFAULT_BLOB_CODEC,
+    signing_key: signing.SigningKey | None = None,
 ) -> CollectReport:
     """Convert every rank folder under ``spool_root`` into the trace at ``trace_url``, the spools
     being finished: one collection (``Collector``) under ``collect_lock`` (``on_wait`` hears that
@@ -348,7 +358,12 @@ def collect(
     nothing is written), and a trace there that it cannot take over is rebuilt from the spools."""
     with collect_lock(spool_root, on_wait):
         collector = Collector(
-            spool_root, trace_url, strict=strict, chunk_rows=chunk_rows, blob_codec=blob_codec
+            spool_root,
+            trace_url,
+            strict=strict,
+            chunk_rows=chunk_rows,
+            blob_codec=blob_codec,
+            signing_key=signing_key,
         )
         try:
             return collector.collect(final=True, run=run, ranks=ranks)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from fsdp_replay.trace import schema, spool
+from fsdp_replay.trace import schema, signing, spool
 from fsdp_replay.trace.appender import TableArrays, WriteStats, write_all
 from fsdp_replay.trace.completeness import Tracker
 from fsdp_replay.trace.rank_builder import RankBuilder, jsonable
@@ -100,8 +100,16 @@ class Rebuild(Exception):
 class RankStore:
     """The rank group of one rank, for one collector process."""
 
-    def __init__(self, root: zarr.Group, rank: int, folder: Path, chunk_rows: int) -> None:
+    def __init__(
+        self,
+        root: zarr.Group,
+        rank: int,
+        folder: Path,
+        chunk_rows: int,
+        signing_key: signing.SigningKey | None = None,
+    ) -> None:
         self.root = root
+        self.signing_key = signing_key  # signs the group's attributes each time they are written
         self.rank = rank
         self.folder = folder
         self.chunk_rows = chunk_rows
@@ -420,6 +428,8 @@ class RankStore:
             listing.update(ta.listing())
         attrs[schema.ARRAYS_ATTR] = listing  # last: a group without it is unfinished
         doc = jsonable(attrs)
+        if self.signing_key is not None:
+            doc[signing.SIGNATURE_ATTR] = signing.sign(self.signing_key, doc)
         text = _text(doc)
         if text != self.written_attrs:
             self.group.attrs.put(doc)

@@ -6,6 +6,7 @@ columns (read lazily, only that rank's arrays), its attributes, and its payloads
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from functools import cached_property
@@ -13,9 +14,11 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.core.sync import sync
 
+import fsdp_replay
 from fsdp_replay.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
-from fsdp_replay.trace import completeness, schema
+from fsdp_replay.trace import attrs_check, completeness, schema, signing
 from fsdp_replay.trace.fingerprint import fingerprint
 from fsdp_replay.trace.schema import TABLES, blob_path, digest_of
 from fsdp_replay.trace.store import open_root
@@ -41,6 +44,7 @@ def _read_array(arr: zarr.Array, where: str, listed: dict[str, Any] | None = Non
         raise TraceFormatError(
             f"the array has {arr.shape[0]} elements; the trace lists {listed['len']}", path=where
         )
+    _check_claimed_size(arr, where)
     try:
         values = np.asarray(arr[:])
     except Exception as e:
@@ -51,6 +55,41 @@ def _read_array(arr: zarr.Array, where: str, listed: dict[str, Any] | None = Non
         why = f"{missing} of its {arr.nchunks} chunks are missing" if missing else "its bytes changed"
         raise TraceFormatError(f"the array does not match the trace's array list: {why}", path=where)
     return values
+
+
+CHECKED_ALLOCATION_BYTES = 256 << 20
+"""Arrays larger than this are read only once their chunks are seen to be there: a crafted
+``zarr.json`` claiming 10^12 elements must not size an allocation."""
+
+
+MAX_CHUNKS_LISTED = 1 << 20
+
+
+async def _count_keys(store: Any, prefix: str) -> int:
+    n = 0
+    async for _ in store.list_prefix(prefix):
+        n += 1
+    return n
+
+
+def _check_claimed_size(arr: zarr.Array, where: str) -> None:
+    nbytes = int(arr.shape[0]) * arr.dtype.itemsize if arr.ndim == 1 else int(arr.nbytes)
+    if nbytes <= CHECKED_ALLOCATION_BYTES:
+        return
+    claimed = int(arr.nchunks)
+    present = 0
+    if claimed <= MAX_CHUNKS_LISTED:
+        try:
+            present = sync(_count_keys(arr.store, f"{arr.path}/c/"))
+        except Exception:
+            present = 0
+    if present < claimed:
+        raise TraceFormatError(
+            f"the array claims {arr.shape} elements ({nbytes} bytes) in {claimed} chunks, "
+            + (f"of which {present} are there" if claimed <= MAX_CHUNKS_LISTED else "more than a trace holds")
+            + ": not read",
+            path=where,
+        )
 
 
 def _missing_chunks(arr: zarr.Array) -> int:
@@ -141,6 +180,7 @@ class RankTrace:
     @cached_property
     def attrs(self) -> dict[str, Any]:
         attrs = dict(self.group.attrs)
+        attrs_check.check_rank(attrs, self.rank, self.trace.world_size, self.where)
         version = self.trace.meta.get("format_version")
         if isinstance(version, int) and version >= 3 and schema.ARRAYS_ATTR not in attrs:
             raise TraceFormatError(
@@ -284,6 +324,17 @@ class RankTrace:
         return data
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """``1.2.3rc1`` -> ``(1, 2, 3)``: the numeric release, for ordering."""
+    out = []
+    for part in version.split(".")[:4]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
 class Trace:
     def __init__(self, url: str, root: zarr.Group, meta: dict[str, Any]) -> None:
         self.url = url
@@ -309,10 +360,15 @@ class Trace:
             raise TraceFormatError("not an fsdp-replay trace (no 'fsdp_replay' root attribute)", path=s)
         version = meta.get("format_version")
         if version not in schema.READABLE_VERSIONS:
+            newer = (
+                isinstance(version, int) and not isinstance(version, bool) and version > schema.FORMAT_VERSION
+            )
             raise TraceVersionError(
-                f"trace format version {version!r}; this fsdp-replay reads {sorted(schema.READABLE_VERSIONS)}",
+                f"trace format version {version!r}; this fsdp-replay reads {sorted(schema.READABLE_VERSIONS)}"
+                + (": the trace was written by a newer fsdp-replay (upgrade this one)" if newer else ""),
                 path=s,
             )
+        attrs_check.check_root(meta, s)
         return cls(s, root, meta)
 
     @property
@@ -323,6 +379,23 @@ class Trace:
     def world_size(self) -> int | None:
         ws = self.meta.get("world_size")
         return None if ws is None else int(ws)
+
+    def newer_writer(self) -> str | None:
+        """The fsdp-replay version that wrote the trace, where it is newer than this one (what it
+        added beyond the format is not read: said, not silently passed over); else None."""
+        run = self.meta.get("run")
+        wrote = run.get("fsdp_replay") if isinstance(run, dict) else None
+        if not isinstance(wrote, str) or _release(wrote) <= _release(fsdp_replay.__version__):
+            return None
+        return wrote
+
+    def signature(self, key: signing.SigningKey | None, ranks: list[int] | None = None) -> tuple[str, bool]:
+        """Whether the trace is signed, by which key, and with ``key`` whether the root's and the
+        ranks' signatures match: one line, and whether it is bad (``trace/signing.py``)."""
+        checks = {"the root": signing.check(dict(self.root.attrs), key)}
+        for r in self.ranks if ranks is None else ranks:
+            checks[f"rank {r}"] = signing.check(self.rank(r).attrs, key)
+        return signing.describe(checks, key)
 
     def rank(self, rank: int) -> RankTrace:
         name = schema.RANK_GROUP_FMT.format(rank=rank)

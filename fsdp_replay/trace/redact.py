@@ -1,15 +1,23 @@
-"""Keep credentials out of traces: traces travel to object stores and to colleagues.
+"""Keep credentials out of everything the tool writes: traces travel to object stores and to
+colleagues, reports and manifests to tickets and logs.
 
 Every environment variable is recorded (a program reads its own: a data path, a config switch);
-what is recorded, there and in argv, goes through two kinds of rules, stated for users in
+what is recorded, there and in argv, goes through three kinds of rules, stated for users in
 docs/trace-format.md ("What is redacted"):
 
-- **names** (flags, ``NAME=value`` arguments, env var names): a name is split into word parts at
-  non-alphanumerics, camel-case and letter/digit boundaries; one secret-naming part makes its value
-  a secret. Parts, not substrings, so that ``--keep``, ``--monkey-patch`` and ``--author`` stay.
-  ``-p`` (a password for mysql and friends) is one too.
-- **values** that look like credentials on their own, wherever they appear: known token shapes,
-  URL passwords, and long random strings (``looks_random``).
+- **names** (flags, ``NAME=value`` arguments, env var names; ``secret_names.py``): a secret name
+  hides its value; a login-like name (``--login``, ``-u``) hides the password of ``user:password``.
+- **values** that look like credentials on their own, wherever they appear (``secret_shapes.py``):
+  known token shapes, URL passwords, secret query and connection-string parameters, private keys,
+  long random strings.
+- **detect-secrets** (``secret_scan.py``): its keyword, basic-auth, high-entropy and provider
+  plugins, over names and values; where it is not installed the two kinds above act alone.
+
+A redacted value becomes a marker (``marker``): ``<redacted>``, or with the run's key
+(``redact_key.py``) ``<redacted:hmac-sha256:<16 hex>>``, so that a machine holding the key can
+tell whether a value of its own is the recorded one. ``scrub_text`` (and ``scrub_doc`` over a JSON
+document) applies the same rules to free text: exception messages, stack lines, reports, the
+commands' output, rendered Jobs, metric labels.
 
 Redaction errs towards hiding: a false positive costs a replay its recorded command line (the user
 gives it after ``--``, see replayer/launch.py); a false negative leaks a credential.
@@ -17,184 +25,154 @@ gives it after ``--``, see replayer/launch.py); a false negative leaks a credent
 
 from __future__ import annotations
 
-import itertools
-import math
+import functools
+import hashlib
+import hmac
 import re
-from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Final
+from typing import Any, Final
 
-from fsdp_replay.trace import schema
-
-# -- names ------------------------------------------------------------------------------------
-# Word parts that name a secret on their own. Plurals "tokens" and "keys" are left out on purpose:
-# in training scripts they count things (--max-tokens, --num-keys).
-SECRET_WORDS: Final = frozenset({"key", "pass", "pwd", "private", "creds"})
-# Distinctive enough to name a secret inside a compound part too (dbpassword, clientsecret).
-SECRET_INFIXES: Final = ("secret", "passw", "passphrase", "credential", "cookie", "session", "signature")
-# Compound parts ending so (authtoken, hftoken, wandbapikey, oauth). A bare "key" suffix is not
-# one of them: monkey, hockey.
-SECRET_SUFFIXES: Final = ("token", "apikey", "accesskey", "privatekey", "authkey", "sshkey", "auth")
-# A secret word directly followed by one of these names something about the secret, not the
-# secret: --pad-token-id 0, --key-frames 8, --auth-type basic, --hub-private-repo true. Their
-# values still go through the value rules.
-NOT_SECRET_AFTER: Final = frozenset(
-    {"id", "ids", "type", "types", "len", "length", "size", "count", "num", "dim", "frames", "repo"}
+from fsdp_replay.trace import schema, secret_scan
+from fsdp_replay.trace.redact_key import KEY_ENV
+from fsdp_replay.trace.secret_names import (
+    login_name,
+    mysql_client,
+    name_parts,
+    secret_flag,
+    secret_name,
+    secret_param,
 )
-# Short flags whose value is a secret: -p is a password by mysql convention. Case-sensitive:
-# `python -P` is the safe-path flag.
-SECRET_SHORT_FLAGS: Final = frozenset({"-p"})
+from fsdp_replay.trace.secret_shapes import LOGIN_VALUE_RE, Found, entropy_bits, find, looks_random
 
-_PART_SPLIT_RE: Final = re.compile(
-    r"[^A-Za-z0-9]+|(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])|(?<=[A-Za-z])(?=[0-9])|(?<=[0-9])(?=[A-Za-z])"
-)
+__all__ = [
+    "clear_cache",
+    "entropy_bits",
+    "looks_random",
+    "marker",
+    "name_parts",
+    "redact_argv",
+    "redact_env",
+    "redact_value",
+    "same_value",
+    "scrub_doc",
+    "scrub_text",
+    "secret_name",
+]
 
-
-def name_parts(name: str) -> list[str]:
-    """``--wandbApiKey2`` -> ``["wandb", "api", "key", "2"]``."""
-    return [p.lower() for p in _PART_SPLIT_RE.split(name) if p]
-
-
-def _secret_part(part: str) -> bool:
-    if part in SECRET_WORDS or part.endswith(SECRET_SUFFIXES):
-        return True
-    if any(w in part for w in SECRET_INFIXES):
-        return True
-    # auth, authn, authorization, authentication; not author(s), authority
-    return part.startswith("auth") and (not part.startswith("author") or part.startswith("authoriz"))
-
-
-def secret_name(name: str) -> bool:
-    """Whether the value of a flag, ``NAME=value`` argument or env var called ``name`` is a secret."""
-    parts = name_parts(name)
-    return any(
-        _secret_part(p) and (i + 1 == len(parts) or parts[i + 1] not in NOT_SECRET_AFTER)
-        for i, p in enumerate(parts)
-    )
+# Variables that hold references to secrets (Kubernetes Secret and key names), never a secret: the
+# injector's record of the pod (injector/identity.py), JSON that detect-secrets' keyword plugin
+# would take for secrets (``"storeSecret": "trace-store"``); the project's own value rules apply.
+REFERENCE_ENV: Final = frozenset({"FSDP_REPLAY_POD_REFS"})
+# Distinct texts whose scrubbed form is kept (stack lines and report strings repeat).
+_CACHE_ENTRIES: Final = 8192
+_CACHED_MAX_CHARS: Final = 1024
+_MYSQL_ATTACHED_RE: Final = re.compile(r"-p(?P<pw>.+)")
 
 
-def _secret_flag(flag: str) -> bool:
-    return flag in SECRET_SHORT_FLAGS or secret_name(flag)
-
-
-# -- values -----------------------------------------------------------------------------------
-# Credentials with a known shape, anywhere in a value (not inside a longer word: "task-...").
-TOKEN_RE: Final = re.compile(
-    r"(?<![A-Za-z0-9])(?:"
-    r"hf_[A-Za-z0-9]{20,}"  # Hugging Face
-    r"|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"  # GitHub
-    r"|(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids
-    r"|xox[abpr]-[A-Za-z0-9-]{10,}"  # Slack
-    r"|sk-(?=[A-Za-z0-9_-]*[0-9])[A-Za-z0-9_-]{20,}"  # OpenAI, Anthropic (sk-proj-, sk-ant-)
-    r"|[rs]k_(?:live|test)_[A-Za-z0-9]{16,}"  # Stripe
-    r"|glpat-[A-Za-z0-9_-]{20,}"  # GitLab
-    r"|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{5,}"  # JWT: header.payload.signature
-    r")|(?i:\bbearer\s+[A-Za-z0-9._~+/-]{8,})"
-)
-# scheme://user:password@host: only the password is replaced, so the rest stays readable. The
-# password runs to the last "@" before the path, so an unescaped "@" in it is hidden too.
-URL_PASSWORD_RE: Final = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s]+@")
-# "Name: value" (an HTTP header given as a value: -H "X-Api-Key: ..."): a secret when Name is.
-HEADER_RE: Final = re.compile(r"^\s*(?P<name>[A-Za-z][A-Za-z0-9_.-]*)\s*:\s+\S")
-
-# The random-string heuristic (looks_random), over each run of base64/base64url characters.
-RANDOM_MIN_CHARS: Final = 24
-RANDOM_MIN_HEX_CHARS: Final = 32
-RANDOM_MIN_SEGMENT_CHARS: Final = 10
-RANDOM_MIN_ENTROPY_BITS: Final = 3.5
-RANDOM_MIN_CLASS_CHANGES: Final = 0.3
-RANDOM_MAX_MEAN_WORD_CHARS: Final = 3.0
-_RUN_RE: Final = re.compile(r"[A-Za-z0-9+/=_-]+")
-_SEGMENT_SPLIT_RE: Final = re.compile(r"[+/=_-]")
-_HEX_RE: Final = re.compile(r"[0-9a-fA-F]+")
-# Words of an identifier: a capitalized or lower-case word, an acronym, a number.
-_WORD_RE: Final = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+")
-_UUID_RE: Final = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-# An image pinned by digest (``repo@sha256:<64 hex>``, lower case as OCI writes it): the hash of
-# public bytes, kept so that a replay Job can run the recorded image (injector/identity.py).
-_IMAGE_DIGEST_RE: Final = re.compile(r"@sha256:[0-9a-f]{64}(?![0-9A-Za-z])")
-
-
-def entropy_bits(s: str) -> float:
-    """Shannon entropy of the characters of s, in bits per character."""
-    n = len(s)
-    return -sum(c / n * math.log2(c / n) for c in Counter(s).values()) if n else 0.0
-
-
-def _char_class(c: str) -> int:
-    return 0 if c.islower() else 1 if c.isupper() else 2
-
-
-def class_changes(segments: list[str]) -> float:
-    """Of the adjacent character pairs inside segments, the fraction that change between lower
-    case, upper case and digit: about 0.6 for random base64 and 0.47 for hex, under 0.3 for the
-    words-and-numbers of paths and model names (``llama3-8b``, ``n01440764``, ``MiniLM``)."""
-    pairs = changes = 0
-    for seg in segments:
-        for a, b in itertools.pairwise(seg):
-            pairs += 1
-            changes += _char_class(a) != _char_class(b)
-    return changes / pairs if pairs else 0.0
-
-
-def mean_word_chars(s: str) -> float:
-    """Mean length of the words of s (``_WORD_RE``): 4 to 6 for camel-case class names
-    (``Pix2StructForConditionalGeneration``), about 2 for random base64."""
-    words = _WORD_RE.findall(s)
-    return sum(map(len, words)) / len(words) if words else 0.0
-
-
-def _letters_and_digits(s: str) -> bool:
-    return any(c.isdigit() for c in s) and any(c.isalpha() for c in s)
-
-
-def looks_random(run: str) -> bool:
-    """Whether a run of base64/base64url characters (``[A-Za-z0-9+/=_-]``) looks like a random
-    credential. Segments are its pieces between ``+ / = _ -``. Random when it mixes letters and
-    digits, is not a canonical UUID (torchrun's run id), and either a segment is 32+ hex digits
-    (API keys; also git SHAs and digests: accepted false positives), or it has 24+ characters, a
-    segment of 10+, entropy of 3.5+ bits per character, class changes (``class_changes``) of 0.3+
-    and words (``mean_word_chars``) of under 3 characters on average.
-    """
-    core = run.strip("=")
-    if len(core) < RANDOM_MIN_CHARS or _UUID_RE.fullmatch(core):
-        return False
-    if not _letters_and_digits(core):
-        return False
-    segments = [s for s in _SEGMENT_SPLIT_RE.split(core) if s]
-    if any(
-        len(s) >= RANDOM_MIN_HEX_CHARS and _HEX_RE.fullmatch(s) and _letters_and_digits(s) for s in segments
-    ):
-        return True
-    return (
-        max(map(len, segments)) >= RANDOM_MIN_SEGMENT_CHARS
-        and entropy_bits(core) >= RANDOM_MIN_ENTROPY_BITS
-        and class_changes(segments) >= RANDOM_MIN_CLASS_CHANGES
-        and mean_word_chars(core) < RANDOM_MAX_MEAN_WORD_CHARS
-    )
-
-
-def redact_value(value: str) -> str:
-    """value with URL passwords replaced; ``REDACTED`` if it holds any other credential."""
-    out = URL_PASSWORD_RE.sub(lambda m: f"{m['head']}{schema.REDACTED}@", value)
-    checked = _IMAGE_DIGEST_RE.sub("@", out)
-    header = HEADER_RE.match(checked)
-    if (
-        TOKEN_RE.search(checked)
-        or (header is not None and secret_name(header["name"]))
-        or any(looks_random(r) for r in _RUN_RE.findall(checked))
-    ):
+def marker(secret: str, key: str = "") -> str:
+    """What replaces ``secret``: ``<redacted>``, or with a key the first 16 hex digits of
+    HMAC-SHA256(key, secret) in ``<redacted:hmac-sha256:...>``."""
+    if not key:
         return schema.REDACTED
-    return out
+    mac = hmac.new(key.encode(), secret.encode("utf-8", "surrogatepass"), hashlib.sha256)
+    return schema.REDACTED_KEYED_FMT.format(digest=mac.hexdigest()[: schema.REDACTED_DIGEST_HEX_CHARS])
 
 
-# -- env and argv -----------------------------------------------------------------------------
-def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Every variable of env, with secret-looking names and values redacted."""
+# -- finding ----------------------------------------------------------------------------------
+def _lines(text: str) -> Iterable[tuple[int, str]]:
+    at = 0
+    for line in text.splitlines(keepends=True):
+        yield at, line
+        at += len(line)
+
+
+def _found(text: str, name: str = "", *, free: bool = False, scan: bool = True) -> list[Found]:
+    """Every credential span of ``text`` (by the project's rules and detect-secrets'), less those
+    that overlap a marker already there. ``name``: the variable or flag ``text`` is the value of
+    (detect-secrets' keyword plugin reads ``name=text``); ``free``: free text (``find``); ``scan``:
+    with detect-secrets' findings."""
+    found = find(text, free=free)
+    scanner = secret_scan.scanner() if scan else None
+    if scanner is not None:
+        own_parts = [f for f in found if not f.whole]
+        scanned = [(a + at, b + at) for at, line in _lines(text) for a, b in scanner.spans(line, free=free)]
+        if name:
+            head = len(name) + 1
+            scanned += [
+                (max(a - head, 0), b - head) for a, b in scanner.assigned(f"{name}={text}") if b > head
+            ]
+        for a, b in scanned:
+            # a finding inside a part the project's rules replace already (a URL's password,
+            # password=x) is that part; any other makes the value a secret
+            if not any(f.start < b and a < f.end for f in own_parts):
+                found.append(Found(a, b, whole=True))
+    markers = [m.span() for m in schema.REDACTED_RE.finditer(text)]
+    return [f for f in found if f.end > f.start and not any(a < f.end and f.start < b for a, b in markers)]
+
+
+def _replaced(text: str, found: list[Found], key: str) -> str:
+    """``text`` with each span of ``found`` (overlapping ones merged) replaced by its marker."""
+    spans = sorted((f.start, f.end) for f in found)
+    out: list[str] = []
+    at = 0
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    for a, b in merged:
+        out += [text[at:a], marker(text[a:b], key)]
+        at = b
+    out.append(text[at:])
+    return "".join(out)
+
+
+# -- values, env and argv ---------------------------------------------------------------------
+def redact_value(value: str, key: str = "", name: str = "") -> str:
+    """``value`` with its credentials replaced: a URL's password, a secret parameter's value, a
+    password after a flag, each on its own; any other credential (a token, a random string, a
+    private key, a secret header, what detect-secrets finds) replaces the whole value. ``name``:
+    what ``value`` is the value of (a variable, a flag), read by detect-secrets' keyword plugin."""
+    found = _found(value, name, scan=name not in REFERENCE_ENV)
+    if not found:
+        return value
+    if any(f.whole for f in found):
+        return marker(value, key)
+    return _replaced(value, found, key)
+
+
+def _login_value(value: str, key: str) -> str | None:
+    """``user:password`` with the password replaced; None when ``value`` is not of that form."""
+    m = LOGIN_VALUE_RE.fullmatch(value)
+    if m is None:
+        return None
+    return value[: m.start("pw")] + marker(m["pw"], key)
+
+
+def redact_env(env: Mapping[str, str], key: str = "") -> dict[str, str]:
+    """Every variable of env (but the redaction key itself, never recorded), with secret-looking
+    names and values redacted, sorted by name."""
     out: dict[str, str] = {}
     for k, v in env.items():
-        out[k] = schema.REDACTED if secret_name(k) else redact_value(v)
+        if k == KEY_ENV:
+            continue
+        if secret_name(k):
+            out[k] = marker(v, key)
+        elif login_name(k) and (login := _login_value(v, key)) is not None:
+            out[k] = login
+        else:
+            out[k] = redact_value(v, key, name=k)
     return dict(sorted(out.items()))
+
+
+def same_value(name: str, mine: str, recorded: str, key: str) -> bool | None:
+    """Whether ``mine`` is the value the recording redacted into ``recorded``: redacted with the
+    run's key, it gives the same markers. None without a key (or when ``recorded`` holds no keyed
+    marker): the trace alone cannot tell."""
+    if not key or "hmac-sha256:" not in recorded:
+        return None
+    return redact_env({name: mine}, key).get(name) == recorded
 
 
 def _takes_no_value(arg: str) -> bool:
@@ -204,26 +182,85 @@ def _takes_no_value(arg: str) -> bool:
     return arg.startswith("--")
 
 
-def redact_argv(argv: Iterable[str]) -> list[str]:
+def _secret_assignment(name: str) -> bool:
+    """Whether the part before ``=`` of an argument names a secret: a flag or a name, or in a URL
+    (``https://host/x?token=...``) the last query parameter's name."""
+    if "://" in name:
+        return secret_param(re.split(r"[?&;/]", name)[-1])
+    return secret_flag(name)
+
+
+def redact_argv(argv: Iterable[str], key: str = "") -> list[str]:
     """argv with secrets removed: ``--token X``, ``--api-key=X``, ``-p X``, ``PASSWORD=X``,
-    ``db.password=X`` and credential-looking values anywhere."""
+    ``db.password=X``, the password of ``--login user:pw``, ``mysql -pX``, and credential-looking
+    values anywhere."""
     out: list[str] = []
-    hide_next = False
+    hide_next = login_next = mysql = False
     for arg in argv:
         if hide_next:
             hide_next = False
             if not _takes_no_value(arg):
-                out.append(schema.REDACTED)
+                out.append(marker(arg, key))
                 continue
+        if login_next:
+            login_next = False
+            if not _takes_no_value(arg) and (login := _login_value(arg, key)) is not None:
+                out.append(login)
+                continue
+        if mysql and (attached := _MYSQL_ATTACHED_RE.fullmatch(arg)) is not None:
+            out.append("-p" + marker(attached["pw"], key))
+            continue
+        mysql = mysql or mysql_client(arg)
         name, eq, value = arg.partition("=")
-        if eq:
+        if eq and not any(c.isspace() for c in name):  # not "Authorization: Basic dXM6cHc="
             # the name part is checked as a value too: "https://u:pw@host/x?a=b" has an "="
-            out.append(
-                f"{redact_value(name)}={schema.REDACTED if _secret_flag(name) else redact_value(value)}"
-            )
-        elif arg.startswith("-") and _secret_flag(arg):
+            if _secret_assignment(name):
+                hidden = marker(value, key)
+            elif name.startswith("-") and login_name(name):
+                hidden = _login_value(value, key) or redact_value(value, key, name=name)
+            else:
+                hidden = redact_value(value, key, name=name)
+            out.append(f"{redact_value(name, key)}={hidden}")
+        elif arg.startswith("-") and secret_flag(arg):
             out.append(arg)
             hide_next = True
         else:
-            out.append(redact_value(arg))
+            login_next = arg.startswith("-") and login_name(arg)
+            out.append(redact_value(arg, key))
     return out
+
+
+# -- free text --------------------------------------------------------------------------------
+def _scrub(text: str, key: str) -> str:
+    if not text or text.isdigit():
+        return text
+    found = _found(text, free=True)
+    return _replaced(text, found, key) if found else text
+
+
+_scrub_cached = functools.lru_cache(maxsize=_CACHE_ENTRIES)(_scrub)
+
+
+def scrub_text(text: str, key: str = "") -> str:
+    """``text`` with every credential-looking part replaced by its marker, the rest kept: for
+    exception messages, stack lines, notes, reports and what the commands print."""
+    return _scrub_cached(text, key) if len(text) <= _CACHED_MAX_CHARS else _scrub(text, key)
+
+
+def clear_cache() -> None:
+    """Forget the texts scrubbed so far (their result depends on whether detect-secrets is there)."""
+    _scrub_cached.cache_clear()
+
+
+def scrub_doc(doc: Any, key: str = "") -> Any:
+    """A JSON-like document (dicts, lists, strings) with ``scrub_text`` applied to every string
+    value; keys, numbers and other values are kept."""
+    if isinstance(doc, str):
+        return scrub_text(doc, key)
+    if isinstance(doc, dict):
+        return {k: scrub_doc(v, key) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [scrub_doc(v, key) for v in doc]
+    if type(doc) is tuple:
+        return tuple(scrub_doc(v, key) for v in doc)
+    return doc

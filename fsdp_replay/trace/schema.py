@@ -129,12 +129,16 @@ from fsdp_replay.trace.ops import (
 #    `cupti_state` events; rank attributes `kernel_names`, `cupti`); the micro-steps' ends and the
 #    CUDA caching allocator (tables `micro_steps`, `allocs`, `memory_steps`; `memory` and `oom`
 #    events; `step.micro_t_ns`; rank attributes `ooms`, `alloc_site_names`).
-FORMAT_VERSION: Final = 4
+# 5: snapshot blobs are raw tensor bytes behind a JSON index (agent/snapshot_blob.py), no longer
+#    torch.save pickles; the optional `signature` of the root and of each rank group
+#    (trace/signing.py); the optional `rank_start.script.started`.
+FORMAT_VERSION: Final = 5
 # Readers accept these; anything else raises TraceVersionError. A version-1 trace has no
 # agent_cpu_ns/writer_cpu_ns columns in `steps` and no sk64 fingerprints. Versions 1 and 2 have no
 # array list, so a missing chunk of theirs cannot be told from zeros, and no completeness record:
 # readers derive it from the rank's end event and damage list.
-READABLE_VERSIONS: Final = frozenset({1, 2, 3, 4})
+# Snapshots of versions 1-4 are pickles: they load through torch's weights-only allow-list.
+READABLE_VERSIONS: Final = frozenset({1, 2, 3, 4, 5})
 
 # ---------------------------------------------------------------------------------------------
 # Paths (relative to the output folder of `fsdp-replay record --out DIR`).
@@ -259,9 +263,48 @@ ENV_MACHINE_PREFIXES: Final = (
     "VSCODE_",
     "PIP_",
 )
-# What replaces a secret in argv, env and run.json (a URL keeps all but its password). The rules
-# that decide what is a secret are in redact.py and docs/trace-format.md ("What is redacted").
+# Variables that make a process load code from a path or a module name they give (the dynamic
+# loader's, the interpreter's, a shell's, CUDA's and NCCL's plug-ins): a trace is untrusted input,
+# so a replay never takes them from it, except under `replay --trust-trace` (replayer/launch.py).
+ENV_LOADS_CODE: Final = frozenset(
+    {
+        "PYTHONBREAKPOINT",
+        "PYTHONINSPECT",
+        "PYTHONUSERBASE",
+        "PYTHONPLATLIBDIR",
+        "PYTHONEXECUTABLE",
+        "PYTHONPYCACHEPREFIX",
+        "BASH_ENV",
+        "ENV",
+        "CUDA_INJECTION64_PATH",
+        "NCCL_NET_PLUGIN",
+        "NCCL_TUNER_PLUGIN",
+        "NCCL_PROFILER_PLUGIN",
+        "NCCL_ENV_PLUGIN",
+        "MPLBACKEND",
+    }
+)
+ENV_LOADS_CODE_PREFIXES: Final = ("LD_", "DYLD_")
+# What replaces a secret in argv, env, run.json and any text the tool writes (a URL keeps all but
+# its password). The rules that decide what is a secret are in redact.py and docs/trace-format.md
+# ("What is redacted"). Without a run's key the marker is REDACTED; with one (``fsdp-replay record``
+# makes one per run, trace/redact_key.py) it carries the first 16 hex digits of HMAC-SHA256(key,
+# the replaced text), so that a machine holding the key can tell whether a value of its own is the
+# recorded one, while the trace alone tells nothing about the value.
 REDACTED: Final = "<redacted>"
+REDACTED_KEYED_FMT: Final = "<redacted:hmac-sha256:{digest}>"
+REDACTED_DIGEST_HEX_CHARS: Final = 16
+REDACTED_RE: Final = re.compile(r"<redacted(?::hmac-sha256:[0-9a-f]{16})?>")
+
+
+def is_redacted(value: object) -> bool:
+    """Whether ``value`` is one redaction marker, whole: a value that was a secret entirely."""
+    return isinstance(value, str) and REDACTED_RE.fullmatch(value) is not None
+
+
+def has_redacted(value: object) -> bool:
+    """Whether ``value`` holds a redaction marker anywhere (a URL's password, an argument)."""
+    return isinstance(value, str) and REDACTED_RE.search(value) is not None
 
 
 # ---------------------------------------------------------------------------------------------

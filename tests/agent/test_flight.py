@@ -181,6 +181,11 @@ def _rank_start() -> dict[str, Any]:
         "world_size": 1,
         **{k: {} for k in keys},
         "argv": ["train.py"],
+        "orig_argv": ["python", "train.py"],
+        "local_rank": 0,
+        "pid": 1,
+        "executable": "/usr/bin/python3",
+        "cwd": "/",
         "policy": {"payloads": "window:1"},
     }
 

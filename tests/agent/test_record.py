@@ -277,9 +277,9 @@ def test_credentials_appear_nowhere_in_the_trace(tmp_path: Path) -> None:
             for n in needles:
                 assert n.encode() not in blob, f"{n!r} leaked into {path}"
     meta = Trace.open(out / schema.TRACE_DIR).rank(0).meta
-    assert meta["env"]["NCCL_IB_PASSWORD"] == schema.REDACTED
-    assert meta["env"]["MY_SERVICE_TOKEN"] == schema.REDACTED  # every variable recorded, secrets redacted
-    assert schema.REDACTED in meta["argv"]
+    assert schema.is_redacted(meta["env"]["NCCL_IB_PASSWORD"])
+    assert schema.is_redacted(meta["env"]["MY_SERVICE_TOKEN"])  # every variable recorded, secrets redacted
+    assert any(schema.is_redacted(a) for a in meta["argv"])
 
 
 def test_sitecustomize_when_disabled_is_cheap_imports_no_torch_and_chains(tmp_path: Path) -> None:

@@ -46,6 +46,7 @@ def test_from_env_reads_every_field() -> None:
         "PAYLOADS": "steps:0-9",
         "STORE": "s3://b/p",
         "ANNOTATION_PREFIX": "replay.example.com",
+        "SIGNING_KEY_SECRET": "trace-signing",
         "SIDECAR_MODE": "container",
         "KUBERNETES_VERSION": "v1.30.2-eks-1",
         "ADD_SYS_ADMIN": "yes",
@@ -65,6 +66,8 @@ def test_from_env_reads_every_field() -> None:
     assert config.add_sys_admin is True and config.port == 9443 and config.metrics_port == 9100
     assert config.annotation_prefix == "replay.example.com" and config.spool_path == "/run/rec"
     assert config.native_sidecar is False  # container, whatever the version says
+    assert config.signing_key_secret == "trace-signing"
+    assert config.signing_key_secret == "trace-signing"
 
 
 @pytest.mark.parametrize(
@@ -78,6 +81,7 @@ def test_from_env_reads_every_field() -> None:
         ("SPOOL_PATH", "/opt/fsdp-replay/spool", "one inside the other"),
         ("PAYLOADS", "most", "not none, all"),
         ("ANNOTATION_PREFIX", "Fsdp_Replay", "DNS subdomain"),
+        ("SIGNING_KEY_SECRET", "Bad_Name", "DNS subdomain"),
         ("SIDECAR_MODE", "sidecar", "auto, native, container"),
         ("KUBERNETES_VERSION", "latest", "such as 1.29"),
         ("ADD_SYS_ADMIN", "maybe", "not a boolean"),

@@ -38,6 +38,7 @@ CONFIGS = {
     "custom-paths": make_config(
         PLAIN_VERSION, mount_path="/agent", spool_path="/runs/now", metrics_port=9100
     ),
+    "signed": make_config(NATIVE_VERSION, signing_key_secret="trace-signing"),
 }
 SITE = "/opt/fsdp-replay/lib/fsdp_replay/boot/site"
 LIB = "/opt/fsdp-replay/lib"
@@ -636,3 +637,22 @@ def test_injected_env_loads_our_sitecustomize_from_the_copied_payload(tmp_path: 
     assert Path(package_file).parent == mount / "lib" / "fsdp_replay"
     assert value == "42"
     assert "agent not started" not in proc.stderr
+
+
+def test_a_signing_key_secret_reaches_the_sidecar_only() -> None:
+    """The key's Secret is a volume mounted read-only in the sidecar alone (the trainers never see
+    it), the sidecar is told where the key file is, and a missing Secret cannot hold the pod back."""
+    out, _ = inject(load("torchrun-pod"), "signed")
+    volume = next(v for v in out["spec"]["volumes"] if v["name"] == containers.SIGNING_VOLUME)
+    assert volume["secret"]["secretName"] == "trace-signing" and volume["secret"]["optional"] is True
+    sidecar = named(out, containers.SIDECAR_CONTAINER)
+    assert env_of(sidecar)[containers.SIDECAR_ENV_SIGNING_KEY] == containers.SIGNING_KEY_FILE
+    assert {
+        "name": containers.SIGNING_VOLUME,
+        "mountPath": containers.SIGNING_KEY_DIR,
+        "readOnly": True,
+    } in sidecar["volumeMounts"]
+    for c in out["spec"]["containers"]:
+        assert all(m["name"] != containers.SIGNING_VOLUME for m in c.get("volumeMounts", [])), c["name"]
+    unsigned, _ = inject(load("torchrun-pod"), "native")
+    assert all(v["name"] != containers.SIGNING_VOLUME for v in unsigned["spec"]["volumes"])

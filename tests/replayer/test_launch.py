@@ -120,3 +120,93 @@ def test_the_recorded_working_directory_maps_to_cwd_which_must_exist(tmp_path: P
         launch.path_map(meta, str(tmp_path / "gone"), None)
     with pytest.raises(ConfigError, match="give OLD=NEW"):
         launch.path_map(meta, None, "relative=/x")
+
+
+def test_variables_that_load_code_come_from_a_trace_only_when_trusted(
+    shell: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads = {"LD_AUDIT": "/tmp/x.so", "CUDA_INJECTION64_PATH": "/tmp/y.so", "PYTHONBREAKPOINT": "evil.hook"}
+    for k in loads:
+        monkeypatch.delenv(k, raising=False)
+    meta = {"env": {**RECORDED, **loads, "MY_FLAG": "1"}, "local_rank": 1}
+    notes: list[str] = []
+    env = launch.replay_env(meta, 1, 2, "cpu", notes)
+    assert not set(loads) & set(env) and env["MY_FLAG"] == "1"
+    assert any(
+        "CUDA_INJECTION64_PATH, LD_AUDIT, PYTHONBREAKPOINT" in n and "--trust-trace" in n for n in notes
+    ), notes
+    env = launch.replay_env(meta, 1, 2, "cpu", [], trusted=True)
+    assert all(env[k] == v for k, v in loads.items())
+
+
+def _script_meta(tmp_path: Path, **script: object) -> dict[str, object]:
+    (tmp_path / "train.py").write_text("print('train')\n")
+    (tmp_path / "wrap.py").write_text("print('wrap')\n")
+    import hashlib
+
+    def sha(name: str) -> str:
+        return hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+
+    return {
+        "executable": "/bin/sh",
+        "orig_argv": ["/bin/sh", "wrap.py", "--lr", "1"],
+        "cwd": str(tmp_path),
+        "script": {
+            "path": str(tmp_path / "train.py"),
+            "sha256": sha("train.py"),
+            **{
+                k: (dict(v, sha256=sha(Path(str(v["path"])).name)) if isinstance(v, dict) else v)
+                for k, v in script.items()
+            },
+        },
+    }
+
+
+def test_a_wrapper_runs_when_the_record_identifies_it(tmp_path: Path) -> None:
+    import sys
+
+    from fsdp_replay.errors import ReplayMismatchError
+
+    meta = _script_meta(tmp_path, started={"path": str(tmp_path / "wrap.py")})
+    notes: list[str] = []
+    cmd, cwd = launch.replay_command(meta, [], notes=notes)
+    assert cmd == [sys.executable, "wrap.py", "--lr", "1"] and cwd == str(tmp_path)
+    assert any("not a Python interpreter" in n for n in notes)
+    launch.check_script(meta, cmd, cwd)
+    (tmp_path / "wrap.py").write_text("import os\n")
+    with pytest.raises(ReplayMismatchError, match=r"wrap\.py is not the script that was recorded"):
+        launch.check_script(meta, cmd, cwd)
+    unnamed = _script_meta(tmp_path)
+    with pytest.raises(ReplayMismatchError, match=r"which the record does not identify.*--trust-trace"):
+        launch.check_script(unnamed, cmd, cwd)
+    launch.check_script(unnamed, cmd, cwd, trusted=True, force=True)
+    anonymous = {**unnamed, "script": {"path": None, "sha256": None}}
+    with pytest.raises(ReplayMismatchError, match="no sha256"):
+        launch.check_script(anonymous, cmd, cwd, force=True)
+
+
+def test_a_module_or_installed_file_the_record_does_not_name_is_refused(tmp_path: Path) -> None:
+    """``python -m pip install ...`` with the sha256 of an innocent local script as its record, or
+    an installed module's file recorded with its own sha256: neither runs untrusted."""
+    import sys
+
+    import pip
+
+    from fsdp_replay.errors import ReplayMismatchError
+
+    meta = _script_meta(tmp_path)
+    pip_cmd = [sys.executable, "-m", "pip", "install", "something"]
+    with pytest.raises(ReplayMismatchError, match="runs module pip, which is not its recorded script"):
+        launch.check_script(meta, pip_cmd, str(tmp_path))
+    installed = Path(pip.__file__).with_name("__main__.py")
+    import hashlib
+
+    meta["script"] = {"path": str(installed), "sha256": hashlib.sha256(installed.read_bytes()).hexdigest()}
+    with pytest.raises(ReplayMismatchError, match="a module installed with this interpreter.*--trust-trace"):
+        launch.check_script(meta, pip_cmd, str(tmp_path))
+    launch.check_script(meta, pip_cmd, str(tmp_path), trusted=True)
+    own = tmp_path / "pkg"
+    own.mkdir()
+    (own / "train.py").write_text("print(1)\n")
+    meta["script"] = {"path": str(own / "train.py"), "sha256": hashlib.sha256(b"print(1)\n").hexdigest()}
+    launch.check_script(meta, [sys.executable, "-m", "pkg.train"], str(tmp_path))  # the program's own module

@@ -21,6 +21,7 @@ from fsdp_replay.sidecar.ebpf import programs
 EVERY_FIELD: dict[str, tuple[str, Any]] = {
     "out": ("/data/run-7", "/data/run-7"),
     "store": ("s3://bucket/prefix", "s3://bucket/prefix"),
+    "signing_key": ("/var/run/fsdp-replay-signing/key", "/var/run/fsdp-replay-signing/key"),
     "collect_interval_s": ("120", 120.0),
     "keep_spools": ("1", True),
     "proc_root": ("/host/proc", "/host/proc"),
@@ -67,13 +68,15 @@ def test_variable_names_are_the_injectors_contract() -> None:
     settings = PodSettings(
         containers=("trainer",), agent_env=(), store="s3://b/p", store_secret="", metrics_port=9470
     )
-    sidecar = containers.sidecar_container(InjectorConfig(), settings, ["trainer"], guaranteed=False)
+    injector = InjectorConfig(signing_key_secret="trace-signing")
+    sidecar = containers.sidecar_container(injector, settings, ["trainer"], guaranteed=False)
     env = {e["name"]: e.get("value", "from-the-downward-api") for e in sidecar["env"]}
     ours = {env_name(f.name) for f in fields(SidecarConfig)}
     assert set(env) <= ours, set(env) - ours  # every variable the injector sets is read
     config = SidecarConfig.from_env(env)
     assert (config.out, config.store, config.metrics_port) == ("/var/lib/fsdp-replay", "s3://b/p", 9470)
     assert config.containers == ("trainer",) and config.pod_name == "from-the-downward-api"
+    assert config.signing_key == containers.SIGNING_KEY_FILE
     assert config.mode in ("native", "container")
 
 

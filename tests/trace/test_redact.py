@@ -19,6 +19,13 @@ from fsdp_replay.trace import redact, schema
 from fsdp_replay.trace.reader import Trace
 
 R = schema.REDACTED
+
+
+def plain(value: str) -> str:
+    """``value`` with each marker, keyed (``record`` makes a key per run) or not, as ``R``."""
+    return schema.REDACTED_RE.sub(R, value)
+
+
 WORKLOADS = Path(__file__).parents[1] / "workloads"
 
 B64_TOKEN = "7vJGM4aj47KQmVow+ymdb1B5WAouLGL6"  # 32 random base64 characters
@@ -430,16 +437,18 @@ def test_secrets_never_reach_run_json_spools_or_trace(tmp_path: Path) -> None:
         rt = trace.rank(r)
         assert_clean(json.dumps(rt.attrs).encode(), f"rank {r}'s attributes")
         meta = rt.meta
-        argv = meta["argv"]
+        assert all(plain(m) != m for m in (meta["env"]["TORCH_HUB_TOKEN"], meta["argv"][2])), "keyed markers"
+        argv = [plain(a) for a in meta["argv"]]
+        env = {k: plain(v) for k, v in meta["env"].items()}
         for flag in secret_args:
             assert argv[argv.index(flag) + 1] == R
         assert f"--api_key={R}" in argv and f"HF_KEY={R}" in argv
         assert f"https://alice:{R}@example.invalid/data" in argv
-        assert meta["env"]["TORCH_HUB_TOKEN"] == R
-        assert meta["env"]["NCCL_FSDP_REPLAY_TEST_SETTING"] == R
-        assert meta["env"]["TORCH_HOME"] == f"https://alice:{R}@example.invalid/cache"
-        assert meta["env"]["MY_SERVICE_PASSWORD"] == schema.REDACTED
-        assert R in " ".join(meta["orig_argv"])
-    command = json.loads((out / "run.json").read_text())["command"]
+        assert env["TORCH_HUB_TOKEN"] == R
+        assert env["NCCL_FSDP_REPLAY_TEST_SETTING"] == R
+        assert env["TORCH_HOME"] == f"https://alice:{R}@example.invalid/cache"
+        assert env["MY_SERVICE_PASSWORD"] == R
+        assert schema.has_redacted(" ".join(meta["orig_argv"]))
+    command = [plain(a) for a in json.loads((out / "run.json").read_text())["command"]]
     assert command[command.index("--wandb-key") + 1] == R
     assert "--nproc_per_node=2" in command

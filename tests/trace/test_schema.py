@@ -17,8 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_replay"
 
 # -- pins -------------------------------------------------------------------------------------
 def test_format_version() -> None:
-    assert schema.FORMAT_VERSION == 4
-    assert frozenset({1, 2, 3, 4}) == schema.READABLE_VERSIONS
+    assert schema.FORMAT_VERSION == 5
+    assert frozenset({1, 2, 3, 4, 5}) == schema.READABLE_VERSIONS
     assert schema.FORMAT_VERSION in schema.READABLE_VERSIONS
 
 
