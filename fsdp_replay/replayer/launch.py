@@ -171,7 +171,8 @@ def check_script(
     if parsed.module is not None and not trusted and not _module_file(parsed.module, path):
         raise ReplayMismatchError(
             f"the trace's command line runs module {parsed.module}, which is not its recorded script "
-            f"{script.get('path')}: " + command.refusal(["a module the record does not identify"], "the trace")
+            f"{script.get('path')}: "
+            + command.refusal(["a module the record does not identify"], "the trace")
         )
     checks = [(path, recorded)]
     if parsed.script and Path(cwd, parsed.script).resolve() != path.resolve():

@@ -202,7 +202,7 @@ def test_a_module_or_installed_file_the_record_does_not_name_is_refused(tmp_path
     import hashlib
 
     meta["script"] = {"path": str(installed), "sha256": hashlib.sha256(installed.read_bytes()).hexdigest()}
-    with pytest.raises(ReplayMismatchError, match="a module installed with this interpreter.*--trust-trace"):
+    with pytest.raises(ReplayMismatchError, match=r"a module installed with this interpreter.*--trust-trace"):
         launch.check_script(meta, pip_cmd, str(tmp_path))
     launch.check_script(meta, pip_cmd, str(tmp_path), trusted=True)
     own = tmp_path / "pkg"
