@@ -16,18 +16,15 @@ line, never a traceback, for a client that goes away or is too slow.
 
 from __future__ import annotations
 
-import io
 import logging
-import socket
 import threading
-import time
 from dataclasses import dataclass
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
+from fsdp_replay.http_deadline import DeadlineRequestHandler
 from fsdp_replay.sidecar.exposition import DEFAULT_MAX_AGE_S, RenderCache
 
 log = logging.getLogger(__name__)
@@ -62,102 +59,11 @@ class ServerLimits:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
 
 
-class _ClientTimeout(Exception):
-    def __init__(self, message: str, *, idle: bool) -> None:
-        super().__init__(message)
-        self.idle = idle
-
-
-class _RequestReader(io.RawIOBase):
-    """The connection's bytes, with one deadline per request rather than a timeout per read: the
-    clock starts at the request's first byte (before it, the idle timeout applies)."""
-
-    def __init__(self, sock: socket.socket, limits: ServerLimits) -> None:
-        super().__init__()
-        self._sock = sock
-        self._limits = limits
-        self._deadline: float | None = None
-        self.eof = False
-        """The client closed its side: what was read since it wanted more is all there is."""
-
-    def next_request(self) -> None:
-        self._deadline = None
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        if self._deadline is None:
-            self._sock.settimeout(self._limits.idle_timeout_s)
-        else:
-            remaining = self._deadline - time.monotonic()
-            if remaining <= 0:
-                raise self._timeout()
-            self._sock.settimeout(remaining)
-        try:
-            n = self._sock.recv_into(buffer)
-        except TimeoutError:
-            raise self._timeout() from None
-        if n and self._deadline is None:
-            self._deadline = time.monotonic() + self._limits.request_timeout_s
-        self.eof = n == 0
-        return n
-
-    def _timeout(self) -> _ClientTimeout:
-        if self._deadline is None:
-            return _ClientTimeout(f"idle for {self._limits.idle_timeout_s:g} s", idle=True)
-        return _ClientTimeout(
-            f"the request did not arrive within {self._limits.request_timeout_s:g} s", idle=False
-        )
-
-
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(DeadlineRequestHandler):
     server: _Server
-    protocol_version = "HTTP/1.1"
-    # What an unparsable request line is answered as: with a status line (HTTP/0.9 has none).
-    default_request_version = "HTTP/1.1"
-
-    def setup(self) -> None:
-        super().setup()
-        self.rfile.close()  # the plain makefile() reader, replaced by one with a deadline
-        self._reader = _RequestReader(self.connection, self.server.limits)
-        self.rfile = io.BufferedReader(self._reader)
-
-    def handle_one_request(self) -> None:
-        """``BaseHTTPRequestHandler``'s, with every way a client can fail logged in one line."""
-        self._reader.next_request()
-        try:
-            self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE_BYTES + 1)
-            if not self.raw_requestline:
-                self.close_connection = True
-                return
-            if len(self.raw_requestline) > MAX_REQUEST_LINE_BYTES:
-                self.requestline = self.request_version = self.command = ""
-                self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
-                return
-            if not self.parse_request():
-                return  # parse_request answered it (400, 431, 505)
-            if self._reader.eof:  # parse_headers takes an end of file for the end of the headers
-                self.close_connection = True
-                log.info(
-                    "scraper %s went away in the middle of its request's headers", self.client_address[0]
-                )
-                return
-            method = getattr(self, f"do_{self.command}", None)
-            if method is None:
-                self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"unsupported method {self.command!r}")
-                return
-            method()
-            self.wfile.flush()
-        except _ClientTimeout as e:
-            self.close_connection = True
-            if e.idle:
-                log.debug("%s: %s: connection closed", self.client_address[0], e)
-            else:
-                log.info("scraper %s: %s: connection closed", self.client_address[0], e)
-        except OSError as e:  # reset, broken pipe, a write timeout: the scraper went away
-            self.close_connection = True
-            log.info("scraper %s went away: %s: %s", self.client_address[0], type(e).__name__, e)
+    max_request_line_bytes = MAX_REQUEST_LINE_BYTES
+    log = log
+    client_noun = "scraper "
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
