@@ -44,7 +44,7 @@ RUN --mount=type=cache,id=fsdp-replay-pip,target=/root/.cache/pip \
     --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
     && python3 -m venv /opt/build \
-    && /opt/build/bin/pip install -q --disable-pip-version-check "setuptools>=68" wheel
+    && /opt/build/bin/pip install -q --disable-pip-version-check "setuptools>=77" wheel
 
 # ---- wheel: the one build of the package that every image installs --------------------------
 FROM tools AS wheel

@@ -6,11 +6,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU wheel of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# Said before the long quiet pip run: what it installs and how big (the sizes of the default
+# torch's CPU wheel, and of a .venv with the test tools, triton's 1 GB the largest of them).
+ifeq ($(origin TORCH_SPEC),file)
+TORCH_SIZE := (the CPU wheel: about 190 MB to download, 750 MB installed)
+endif
 
 .PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml setup.py fsdp_replay/agent/fingerprint/_fpcore.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "installing into $(VENV): $(strip $(TORCH_SPEC) $(TORCH_SIZE)), numpy, and fsdp-replay with its test tools; about 3 GB in all, a few quiet minutes"
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)" numpy
 	$(BIN)/pip install -q -e ".[test]"

@@ -229,6 +229,7 @@ def env_option(
 
 def usage_with_command(parser: argparse.ArgumentParser, command: str) -> None:
     """Show ``command`` (the program's command line after ``--``) at the end of the usage line:
-    argparse cannot, since everything after ``--`` is taken apart before parsing."""
+    argparse cannot, since everything after ``--`` is taken apart before parsing (and it shows a
+    positional that takes the rest, as ``record``'s does, as ``...``)."""
     text = parser.format_usage().removeprefix("usage: ").rstrip()
     parser.usage = f"{text} {command}".replace("%", "%%")

@@ -108,3 +108,61 @@ def test_an_unusable_record_out_is_a_bad_option_said_before_anything_runs(tmp_pa
         with pytest.raises(ConfigError, match=re.escape(said.replace("--out", "--report"))):
             _check_report_dir(out, str(tmp_path / "trace.zarr"))
     assert a_file.read_text() == "print(1)\n"
+
+
+def _no_fsdp_replay_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for k in [k for k in os.environ if k.startswith(options.ENV_PREFIX)]:
+        monkeypatch.delenv(k)
+
+
+def test_a_bad_payload_policy_names_its_variable_and_every_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fsdp_replay.cli.main import main
+
+    forms = ("none", "all", "steps:SPEC", "window:N")
+    with pytest.raises(ConfigError) as caught:  # as the agent reads it in each training process
+        RecordConfig.from_env({"FSDP_REPLAY_OUT": "x", "FSDP_REPLAY_PAYLOADS": "most"})
+    assert str(caught.value).startswith("FSDP_REPLAY_PAYLOADS: 'most'") and all(
+        f in str(caught.value) for f in forms
+    )
+    _no_fsdp_replay_env(monkeypatch)
+    monkeypatch.setenv("FSDP_REPLAY_PAYLOADS", "most")  # as `record` reads it, before anything runs
+    assert main(["record", "--out", str(tmp_path / "run"), "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "--payloads (FSDP_REPLAY_PAYLOADS): 'most'" in err and all(f in err for f in forms), err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.delenv("FSDP_REPLAY_PAYLOADS")
+    assert main(["record", "--out", str(tmp_path / "run"), "--op-fingerprints", "5-2", "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--op-fingerprints (FSDP_REPLAY_OP_FINGERPRINTS): bad step range '5-2'" in err and "window" not in err
+    )
+
+
+def test_record_takes_its_command_with_or_without_dashes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As with `nsys profile`, the command starts at record's first positional word; a `--` before
+    it is optional, and one after it (or an option named like record's) belongs to the command."""
+    import json
+
+    from fsdp_replay.cli.main import main
+
+    _no_fsdp_replay_env(monkeypatch)
+    for name, tail, command in (
+        ("bare", ["sh", "-c", "exit 0", "--out", "x"], ["sh", "-c", "exit 0", "--out", "x"]),
+        ("dashed", ["--", "sh", "-c", "exit 0"], ["sh", "-c", "exit 0"]),
+        (
+            "inner",
+            ["sh", "-c", "exit 0", "--", "--payloads", "none"],
+            ["sh", "-c", "exit 0", "--", "--payloads", "none"],
+        ),
+    ):
+        out = tmp_path / name
+        assert main(["record", "--out", str(out), "--no-tape", *tail]) == 3, name  # it recorded nothing
+        assert json.loads((out / "run.json").read_text())["command"] == command, name
+    assert main(["record", "--out", str(tmp_path / "none")]) == 2
+    assert "nothing to record" in capsys.readouterr().err

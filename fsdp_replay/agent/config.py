@@ -66,14 +66,14 @@ class StepSet:
         if spec.startswith("window:"):
             m = re.fullmatch(r"window:\s*(\d+)\s*", spec)
             if not m or int(m.group(1)) < 1:
-                raise ConfigError(f"bad step spec {spec!r}: a window is window:N with N >= 1 steps")
+                raise ConfigError(f"{spec!r}: a window is window:N with N >= 1 steps")
             return cls(window=int(m.group(1)))
         body = spec.removeprefix("steps:")
         ranges: list[tuple[int, int | None]] = []
         for part in body.split(","):
             m = re.fullmatch(r"\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?", part)
             if not m:
-                raise ConfigError(f"bad step spec {spec!r}: use none, all, or steps:0-3,10,20- ")
+                raise ConfigError(f"{spec!r} is not a set of steps")
             lo = int(m.group(1))
             hi: int | None = lo if m.group(2) is None else (int(m.group(3)) if m.group(3) else None)
             if hi is not None and hi < lo:
@@ -93,11 +93,23 @@ class StepSet:
         )
 
 
-def _step_set(var: str, raw: str) -> StepSet:
+# The forms a step-set option takes, said with every bad value of one.
+STEP_FORMS = "none, all or steps:SPEC (steps:0-3,10,20-)"
+PAYLOAD_FORMS = "none, all, steps:SPEC (steps:0-3,10,20-) or window:N (the last N steps, kept in memory)"
+
+
+def parse_steps(var: str, raw: str, forms: str = STEP_FORMS) -> StepSet:
+    """``raw``, the value of option ``var`` (a variable or a flag), as a StepSet; a bad one is a
+    ConfigError that names ``var`` and the ``forms`` it takes."""
     try:
         return StepSet.parse(raw)
     except ConfigError as e:
-        raise ConfigError(f"{var}: {e}") from None
+        raise ConfigError(f"{var}: {e}; use {forms}") from None
+
+
+def parse_payloads(var: str, raw: str) -> StepSet:
+    """The payload policy (``FSDP_REPLAY_PAYLOADS``, ``--payloads``): a step set, or a window."""
+    return parse_steps(var, raw, PAYLOAD_FORMS)
 
 
 def _non_negative(var: str, raw: str) -> int:
@@ -108,7 +120,9 @@ def parse_alloc_history(var: str, raw: str) -> StepSet:
     """``off`` | ``always`` | ``steps:SPEC`` (and StepSet's ``none``/``all``); no window."""
     if raw.strip().startswith("window:"):
         raise ConfigError(f"{var}={raw!r}: use off, always or steps:SPEC")
-    return _step_set(var, {"off": "none", "always": "all"}.get(raw.strip(), raw))
+    return parse_steps(
+        var, {"off": "none", "always": "all"}.get(raw.strip(), raw), "off, always or steps:SPEC"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +169,7 @@ class CuptiPolicy:
         return "off" if self.steps.empty else str(self.steps)
 
 
-def _cupti_policy(var: str, raw: str) -> CuptiPolicy:
+def parse_cupti(var: str, raw: str) -> CuptiPolicy:
     try:
         return CuptiPolicy.parse(raw)
     except ConfigError as e:
@@ -280,15 +294,15 @@ class RecordConfig:
             ENV_PREFIX,
             env,
             parsers={
-                "payloads": _step_set,
-                "tape_payloads": _step_set,
-                "module_fingerprints": _step_set,
-                "op_fingerprints": _step_set,
+                "payloads": parse_payloads,
+                "tape_payloads": parse_steps,
+                "module_fingerprints": parse_steps,
+                "op_fingerprints": parse_steps,
                 "snapshot_every": _non_negative,
                 "reserve_bytes": _non_negative,
                 "payload_ring_bytes": _non_negative,
                 "alloc_history": parse_alloc_history,
-                "cupti": _cupti_policy,
+                "cupti": parse_cupti,
             },
         )
         return config

@@ -97,6 +97,8 @@ def activate() -> None:
         if config.mode == "record":
             sys.meta_path.insert(0, AfterImport("torch", lambda _m: _flag_spawned_rank(str(config.out))))
         return
+    if replaying and not (config.live and "RANK" not in os.environ):  # not torchrun's launcher
+        _quiet_start_up()
     redacted = str(getattr(config, "redacted_env", "") or "") if replaying else ""
     if redacted:
         from fsdp_replay.replayer import env_watch  # before the program's first line reads one
@@ -110,6 +112,36 @@ def activate() -> None:
         attach(config)
     else:
         sys.meta_path.insert(0, AfterImport("torch", on_torch))
+
+
+def _quiet_start_up() -> None:
+    """Until the replay has started (``attach`` gives it back), Ctrl-C ends this process the way
+    SIGINT ends a program that does not catch it: at once and silently (``replay`` says, in one
+    line, that it was stopped before it could report). Python's own handler would print a
+    KeyboardInterrupt traceback from whatever the start-up was importing, torch most often. A
+    handler of anyone else's (SIG_IGN in a background job) is left alone."""
+    import signal
+
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            _state["quiet_start_up"] = True
+    except ValueError:  # not the main thread: nothing to quiet, nothing to give back
+        pass
+
+
+def _end_quiet_start_up() -> None:
+    """Ctrl-C is the program's again (a KeyboardInterrupt, which the replay reports as stopped),
+    unless the program set a handler of its own meanwhile."""
+    import signal
+
+    if not _state.pop("quiet_start_up", False):
+        return
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # attached from another thread: the program keeps the silent default
+        pass
 
 
 def _flag_spawned_rank(out: str) -> None:
@@ -205,5 +237,6 @@ def attach(config: Any) -> Any:
         except Exception as e:
             refuse_replay(_describe(e), config.report, config.rank)
         _state.update(agent=agent)
+        _end_quiet_start_up()
         return agent
     return None

@@ -53,36 +53,47 @@ def run_command(
     ``orphan_note``: what the watchdog says after such a stop (where the data is).
     """
     t0 = time.time()
-    watchdog = subprocess.Popen(
-        [sys.executable, "-m", "fsdp_replay.cli.watchdog", *([orphan_note] if orphan_note else [])],
-        stdin=subprocess.PIPE,
-        start_new_session=True,
-    )
-    assert watchdog.stdin is not None
-    try:
-        proc = subprocess.Popen(list(command), env=dict(env), cwd=cwd, start_new_session=True)
-    except FileNotFoundError:
-        watchdog.stdin.close()
-        watchdog.wait()
-        return 127, {"error": f"command not found: {command[0]}", "start": t0, "end": time.time()}
-    watchdog.stdin.write(f"{proc.pid}\n".encode())
-    watchdog.stdin.flush()
     forwarded: list[int] = []
+    early: list[int] = []  # those that came before the command existed, passed on once it does
+    proc: subprocess.Popen[bytes] | None = None
 
     def forward(signum: int, _frame: Any) -> None:
         forwarded.append(signum)
+        if proc is None:
+            early.append(signum)
+            return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signum)
 
+    # From before the command starts: a Ctrl-C while it starts reaches it as soon as it exists,
+    # never a KeyboardInterrupt here that would leave it running (in a session of its own).
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    watchdog: subprocess.Popen[bytes] | None = None
     try:
+        watchdog = subprocess.Popen(
+            [sys.executable, "-m", "fsdp_replay.cli.watchdog", *([orphan_note] if orphan_note else [])],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert watchdog.stdin is not None
+        try:
+            proc = subprocess.Popen(list(command), env=dict(env), cwd=cwd, start_new_session=True)
+        except FileNotFoundError:
+            return 127, {"error": f"command not found: {command[0]}", "start": t0, "end": time.time()}
+        watchdog.stdin.write(f"{proc.pid}\n".encode())
+        watchdog.stdin.flush()
+        for signum in early[:1]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
         rc = proc.wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        with contextlib.suppress(OSError):  # the job ended: the watchdog has nothing to do
-            watchdog.stdin.write(DONE)
-            watchdog.stdin.close()
-        watchdog.wait()
+        if watchdog is not None and watchdog.stdin is not None:
+            with contextlib.suppress(OSError):
+                if proc is not None and proc.returncode is not None:  # it ended: nothing to stop
+                    watchdog.stdin.write(DONE)
+                watchdog.stdin.close()
+            watchdog.wait()
     code = 128 - rc if rc < 0 else rc
     return code, {"start": t0, "end": time.time(), "returncode": rc, "signals_forwarded": forwarded}

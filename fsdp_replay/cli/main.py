@@ -44,17 +44,25 @@ def _not_abandoned_futures(record: logging.LogRecord) -> bool:
     return "exception was never retrieved" not in record.getMessage()
 
 
+def _join_command(started: list[str], after_dashes: list[str] | None) -> list[str]:
+    """The program's command line: ``record`` takes it from its first positional word without a
+    ``--`` (``started``); a ``--`` after that word is the program's own, put back where it was."""
+    if not started:
+        return after_dashes or []
+    return started if after_dashes is None else [*started, "--", *after_dashes]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.getLogger("asyncio").addFilter(_not_abandoned_futures)
-    command: list[str] = []
+    command: list[str] | None = None
     if "--" in argv:  # everything after -- is the program's command line, untouched
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
     # Exit codes by error class (docs/exit-codes.md). Anything else is a bug and keeps its traceback.
     try:
         args = build_parser().parse_args(argv)  # option defaults come from FSDP_REPLAY_*: parsed here
-        args.command = command
+        args.command = _join_command(getattr(args, "command", None) or [], command)
         return int(args.func(args))
     except ConfigError as e:
         print(f"fsdp-replay: {e}", file=sys.stderr)

@@ -13,26 +13,23 @@ from typing import Any
 from fsdp_replay import __version__
 from fsdp_replay.cli.render import print_collect
 from fsdp_replay.errors import ConfigError, ExitCode, TraceFormatError, TraceNotFoundError
-from fsdp_replay.options import env_option, usage_with_command
+from fsdp_replay.options import env_option, env_var, usage_with_command
 from fsdp_replay.trace import schema, signing, spool
-from fsdp_replay.trace.layout import (
-    ATTACHED_DIR,
-    RUN_JSON,
-    SPAWNED_RANK,
-    atomic_write,
-    attached_dir,
-    output_folder,
-)
+from fsdp_replay.trace.attach_markers import empty_run, nothing_recorded
+from fsdp_replay.trace.layout import ATTACHED_DIR, RUN_JSON, atomic_write, attached_dir, output_folder
 
 
-def _wants_cxx_kernel(args: argparse.Namespace) -> bool:
+def _wants_cxx_kernel(args: argparse.Namespace, payloads: Any) -> bool:
     """--cxx-kernel / --no-cxx-kernel (or FSDP_REPLAY_CXX_KERNEL=1/0), else: for runs that store
-    no payloads (the C++ kernel records none)."""
+    no payloads (``payloads``, a StepSet: the C++ kernel records none)."""
     if args.cxx_kernel is not None:
         return bool(args.cxx_kernel)
-    from fsdp_replay.agent.config import StepSet
+    return bool(payloads.empty) and not args.payload_inputs
 
-    return StepSet.parse(args.payloads).empty and not args.payload_inputs
+
+def _option(flag: str) -> str:
+    """How a bad value names its option: the flag and its variable (either may have set it)."""
+    return f"{flag} ({env_var(flag)})"
 
 
 def _cxx_kernel() -> str:
@@ -76,7 +73,14 @@ def _cxx_tape() -> str:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from fsdp_replay.agent.config import CuptiPolicy, RecordConfig, StepSet, parse_alloc_history
+    from fsdp_replay.agent.config import (
+        RecordConfig,
+        StepSet,
+        parse_alloc_history,
+        parse_cupti,
+        parse_payloads,
+        parse_steps,
+    )
     from fsdp_replay.cli.launch import agent_env, run_command
     from fsdp_replay.trace import redact_key
     from fsdp_replay.trace.redact import redact_argv
@@ -84,9 +88,18 @@ def cmd_record(args: argparse.Namespace) -> int:
     command = list(args.command)
     if not command:
         raise ConfigError(
-            "nothing to record: give the command after --, e.g. "
+            "nothing to record: give the command after the options (or after --), e.g. "
             "fsdp-replay record --out run1 -- torchrun --nproc_per_node 2 train.py"
         )
+    # bad values are said before the run folder is made
+    payloads = parse_payloads(_option("--payloads"), args.payloads)
+    steps = {
+        name: parse_steps(_option("--" + name.replace("_", "-")), value)
+        for name in ("module_fingerprints", "op_fingerprints", "tape_payloads")
+        if (value := getattr(args, name))
+    }
+    alloc_history = parse_alloc_history(_option("--alloc-history"), args.alloc_history)
+    cupti = parse_cupti(_option("--cupti"), args.cupti)
     out = Path(args.out or f"fsdp-replay-runs/{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     spool_dir = out / schema.SPOOL_DIR
     if (spool_dir.exists() and any(p.name != ATTACHED_DIR for p in spool_dir.iterdir())) or (
@@ -102,10 +115,10 @@ def cmd_record(args: argparse.Namespace) -> int:
     redaction_key = redact_key.for_run(out)  # RUN/redact.key, beside the trace, never in it
     config = RecordConfig(
         out=str(out),
-        payloads=StepSet.parse(args.payloads),
+        payloads=payloads,
         payload_inputs=args.payload_inputs,
-        module_fingerprints=StepSet.parse(args.module_fingerprints),
-        op_fingerprints=StepSet.parse(args.op_fingerprints),
+        module_fingerprints=steps.get("module_fingerprints", StepSet()),
+        op_fingerprints=steps.get("op_fingerprints", StepSet()),
         snapshot_every=args.snapshot_every,
         sync_steps=args.sync_steps,
         max_pending_bytes=args.max_pending_bytes,
@@ -114,11 +127,11 @@ def cmd_record(args: argparse.Namespace) -> int:
         payload_ring_bytes=args.payload_ring_bytes,
         tape=args.tape,
         tape_ops=args.tape_ops,
-        tape_payloads=StepSet.parse(args.tape_payloads) if args.tape_payloads else None,
-        alloc_history=parse_alloc_history("--alloc-history", args.alloc_history),
+        tape_payloads=steps.get("tape_payloads"),
+        alloc_history=alloc_history,
         alloc_stacks=args.alloc_stacks,
-        cupti=CuptiPolicy.parse(args.cupti),
-        cxx_kernel_lib=_cxx_kernel() if _wants_cxx_kernel(args) else "",
+        cupti=cupti,
+        cxx_kernel_lib=_cxx_kernel() if _wants_cxx_kernel(args, payloads) else "",
         cxx_tape_lib=_cxx_tape() if _wants_cxx_tape(args) else "",
         redact_key=redaction_key,
     )
@@ -167,83 +180,6 @@ def cmd_record(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return code
-
-
-def _attach_markers(out: Path) -> list[dict[str, Any]]:
-    """The attach markers the run's processes left (``boot/attach.mark_attached``); unreadable
-    ones (a process killed mid-write leaves only a ``.tmp``) are skipped."""
-    found = []
-    folder = attached_dir(out)
-    for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            doc = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(doc, dict):
-            found.append(doc)
-    return found
-
-
-def _is_launcher(marker: dict[str, Any]) -> bool:
-    """torchrun's launcher (or ``python -m torch.distributed.run/launch``): it imports torch too,
-    and records nothing of its own."""
-    argv = marker.get("argv") or [""]
-    first = str(argv[0]).replace("\\", "/")
-    return first.rsplit("/", 1)[-1] == "torchrun" or first.endswith(
-        ("torch/distributed/run.py", "torch/distributed/launch.py")
-    )
-
-
-def nothing_recorded(out: Path, code: int | None, *, output_above: bool = True) -> str:
-    """Why run folder ``out`` holds no rank spool, from its processes' attach markers: how many
-    processes imported torch with the agent, their ranks, and the command's exit code ``code``."""
-    markers = _attach_markers(out)
-    exited = "" if code is None else f"the command exited with code {code}"
-    if exited and output_above:
-        exited += " (see its output above)"
-    if not markers:
-        return (
-            f"the command recorded nothing{f' (exit code {code})' if code is not None else ''}: "
-            "no Python process of it imported torch with the agent enabled"
-        )
-    spawned = [m for m in markers if m.get("error") == SPAWNED_RANK]
-    if spawned:
-        return (
-            f"the command recorded nothing: its ranks ({len(spawned)} processes) were started by "
-            "torch.multiprocessing (mp.spawn), which fsdp-replay does not record (a single-rank replay "
-            "could not start one of them alone); launch them with torchrun (`torchrun --nproc_per_node N "
-            "script.py`, each rank reading RANK, WORLD_SIZE and LOCAL_RANK from its environment)"
-            + (f"; {exited}" if exited else "")
-        )
-    programs = [m for m in markers if not _is_launcher(m)]
-    if not programs:
-        msg = (
-            "the command recorded nothing: only its launcher (torchrun) imported torch with the agent, "
-            "none of its workers"
-        )
-        return msg + (f"; {exited}" if exited else "")
-    ranked = [m for m in programs if isinstance(m.get("rank"), int)]
-    others = len(programs) - len(ranked)
-    ranks = sorted({int(m["rank"]) for m in ranked})
-
-    def processes(n: int) -> str:
-        return f"{n} process{'es' if n != 1 else ''}"
-
-    if ranked:
-        who = f"{processes(len(ranked))} imported torch with the agent (rank{'s' if len(ranks) != 1 else ''} "
-        who += ", ".join(map(str, ranks)) + ")"
-        if others:
-            who += f" and {processes(others)} without a RANK"
-    else:
-        who = f"{processes(others)} imported torch with the agent (no RANK set)"
-    none = (
-        "none reached its first collective" if len(programs) > 1 else "it never reached its first collective"
-    )
-    msg = f"the command recorded nothing: {who}, but {none}"
-    failed = [m for m in markers if m.get("error")]
-    if failed:
-        msg += f"; the agent failed to attach in {processes(len(failed))}: {failed[0]['error']}"
-    return msg + (f"; {exited}" if exited else "")
 
 
 def _write_run(out: Path, run: dict[str, Any]) -> None:
@@ -295,13 +231,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
             return ExitCode.UNUSABLE
         print(f"fsdp-replay: {out}: the trace is already built ({built}); nothing to collect")
         return ExitCode.OK
-    if not spool.spool_ranks(out / schema.SPOOL_DIR) and _attach_markers(out):
-        try:
-            run = json.loads((out / RUN_JSON).read_text())
-        except (OSError, ValueError):
-            run = None
-        code = run.get("exit_code") if isinstance(run, dict) else None
-        why = nothing_recorded(out, code if isinstance(code, int) else None, output_above=False)
+    if (why := empty_run(out)) is not None:
         print(f"fsdp-replay: nothing to collect in {out}: {why}", file=sys.stderr)
         return ExitCode.UNUSABLE
     report = collect_run(
@@ -467,8 +397,17 @@ def register(sub: Any) -> None:
         help="keep the spool folder after building the trace (always kept when any record was damaged)",
     )
     env_option(r, "--signing-key", help=_SIGNING_KEY_HELP)
+    usage_with_command(r, "[--] COMMAND [ARG ...]")  # before the positional, which argparse shows as ...
+    # Everything from the first word that is not one of ours is the command, as with `nsys profile`
+    # (main() takes what follows a `--` apart before parsing, and joins the two).
+    r.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="[--] COMMAND [ARG ...]",
+        help="the command to record, with its arguments: after --, or from the first word that is not an "
+        "option of record",
+    )
     r.set_defaults(func=cmd_record)
-    usage_with_command(r, "-- COMMAND [ARG ...]")
 
     c = sub.add_parser("collect", help="build (or rebuild) a run's trace from its spools")
     c.add_argument("run", help="the run folder given to record --out")

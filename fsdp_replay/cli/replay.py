@@ -31,13 +31,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from fsdp_replay.cli.launch import agent_env, run_command
     from fsdp_replay.replayer import launch
     from fsdp_replay.replayer.config import ReplayConfig
+    from fsdp_replay.trace.reader import Trace
 
     trace_url = resolve_trace(args.trace)
     key = signing.key_of_option(args.signing_key)
     chosen = args.rank is not None
     if not chosen:
         args.rank = 0
-    trace, meta = launch.open_rank(trace_url, args.rank)
+    trace = Trace.open(trace_url)
+    _check_rank(trace, args.rank)
+    meta = launch.rank_meta(trace, args.rank)
     if not chosen and not args.all_ranks and len(trace.ranks) > 1:
         print(
             f"fsdp-replay: no --rank given: replaying rank 0 of the {len(trace.ranks)} recorded (choose one with "
@@ -151,6 +154,20 @@ def _check_report_dir(out: Path, trace_url: str) -> None:
             f"--report {out} holds a recording: choose another folder (a replay never writes over one)"
         )
     output_folder(out, "--report")
+
+
+def _check_rank(trace: Any, rank: int) -> None:
+    """``--rank`` names a rank of the recorded job: a usage error that lists the trace's ranks
+    otherwise. A rank of the job that the trace lacks (its spool lost or damaged) is left to the
+    reader, which calls the trace unusable for it."""
+    ranks, world = list(trace.ranks), trace.world_size
+    if not ranks or rank in ranks or (world is not None and 0 <= rank < world):
+        return
+    held = ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}"
+    job = f"the recorded job had {world} rank{'s' if world != 1 else ''} and " if world is not None else ""
+    raise ConfigError(
+        f"--rank {rank}: {job}the trace holds rank{'s' if len(ranks) != 1 else ''} {held}; choose one of them"
+    )
 
 
 def _check_device(device: str | None) -> None:

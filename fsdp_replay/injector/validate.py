@@ -39,8 +39,9 @@ _SUFFIX_FACTORS = {
 }
 
 
-def step_spec_error(spec: str) -> str | None:
-    """Why ``spec`` is not ``none``, ``all`` or ``steps:SPEC`` (or a bare SPEC), or None when it is."""
+def step_spec_error(spec: str, forms: str = "none, all, or steps:0-3,10,20-") -> str | None:
+    """Why ``spec`` is not ``none``, ``all`` or ``steps:SPEC`` (or a bare SPEC), or None when it is;
+    ``forms``: what the option takes, said when ``spec`` is none of them."""
     spec = spec.strip()
     if spec in ("", "none", "all"):
         return None
@@ -48,7 +49,7 @@ def step_spec_error(spec: str) -> str | None:
     for part in body.split(","):
         m = _STEP_PART.fullmatch(part)
         if not m:
-            return f"{spec!r} is not none, all, or steps:0-3,10,20-"
+            return f"{spec!r} is not {forms}"
         if m.group(2) is not None and m.group(3) and int(m.group(3)) < int(m.group(1)):
             return f"step range {part.strip()!r} in {spec!r} ends before it starts"
     return None
@@ -61,7 +62,7 @@ def payload_spec_error(spec: str) -> str | None:
     if spec.startswith("window:"):
         m = re.fullmatch(r"window:\s*(\d+)\s*", spec)
         return None if m and int(m.group(1)) >= 1 else f"{spec!r} is not window:N with N >= 1 steps"
-    return step_spec_error(spec)
+    return step_spec_error(spec, "none, all, steps:0-3,10,20- or window:N")
 
 
 def cupti_spec_error(spec: str) -> str | None:

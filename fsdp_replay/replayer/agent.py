@@ -39,7 +39,7 @@ from fsdp_replay.replayer.fsdp_frames import feeding_modules
 from fsdp_replay.replayer.key_check import KeyCheck
 from fsdp_replay.replayer.op_check import OpCheck
 from fsdp_replay.replayer.reach import Reach
-from fsdp_replay.replayer.report import KIND_TEXT, Divergence, build_report
+from fsdp_replay.replayer.report import KIND_TEXT, Divergence, build_report, late_note
 from fsdp_replay.replayer.serve import BatchServer
 from fsdp_replay.replayer.tape import ReplayTape, attach_tape
 from fsdp_replay.trace import signing
@@ -66,6 +66,7 @@ class Replayer:
         self.program_error_files: list[str] = []  # the files of its traceback's frames
         self.ops: OpCheck | None = None
         self.trace = Trace.open(config.trace)
+        self._peers: dict[int, dict[str, Any] | FsdpReplayError] = {}
         self.rec = RankRecord(self.trace, self.rank, trusted=config.trust_trace)
         if config.signing_key:  # the attributes this replay reads are the ones signed
             key = signing.load_key(config.signing_key)
@@ -73,6 +74,9 @@ class Replayer:
                 "the root": signing.check(dict(self.trace.root.attrs), key),
                 f"rank {self.rank}": signing.check(self.rec.attrs, key),
             }
+            for r in self.trace.ranks:  # their file ledgers shape the replay's view of the files
+                if r != self.rank and (attrs := self._peer_attrs(r)) is not None:
+                    checks[f"rank {r}"] = signing.check(attrs, key)
             line, bad = signing.describe(checks, key)
             if bad:
                 raise TraceFormatError(f"the trace is {line}", path=config.trace)
@@ -223,12 +227,17 @@ class Replayer:
             )
         restore.restore_rng(self.rec, -1, "process start", self.notes)
         EntropyReplay(self.rec.attrs.get("urandom") or {}, self.notes).install()
-        here = Path(self.config.report) / (RANK_REPORT_FMT.format(rank=self.rank) if self.live else "")
         local_trace = [self.config.trace] if "://" not in self.config.trace else []
         pairs = [tuple(p) for p in json.loads(self.config.path_map)] if self.config.path_map else []
-        ledger = overlay.map_ledger(self.rec.attrs.get("files") or {}, pairs)
+        ledgers, start_ns = self._job_ledgers(pairs)
+        job = overlay.job_files(ledgers, self.rank, start_ns=start_ns, live=self.live)
+        # live ranks share one private folder: each finds what another wrote, as in the recorded job
         self.files, self.changed_inputs = overlay.isolate(
-            ledger, here / "files", [self.config.report, *local_trace], self.notes
+            ledgers[self.rank],
+            Path(self.config.report) / "files",
+            [self.config.report, *local_trace],
+            self.notes,
+            job,
         )
         if not self.live:
             backends = {str(g.get("name")): str(g.get("backend")) for g in self.rec.process_groups.values()}
@@ -238,6 +247,37 @@ class Replayer:
             self.rec.start_prefetch()
         if self.batch_server is not None:
             self.batch_server.install()
+
+    def _peer_attrs(self, rank: int) -> dict[str, Any] | None:
+        """Another rank's attributes (read once), or None where its group cannot be read."""
+        if rank not in self._peers:
+            try:
+                self._peers[rank] = self.trace.rank(rank).attrs
+            except FsdpReplayError as e:
+                self._peers[rank] = e
+        found = self._peers[rank]
+        return None if isinstance(found, FsdpReplayError) else found
+
+    def _job_ledgers(self, pairs: list[tuple[str, str]]) -> tuple[dict[int, dict[str, Any]], int | None]:
+        """Every rank's file ledger (where the recorded folders are here), and when the recording
+        began: a program finds what another rank wrote (rank 0's checkpoint) as readily as its own."""
+        own = self.rec.attrs
+        ledgers = {self.rank: overlay.map_ledger(own.get("files") or {}, pairs)}
+        starts = [(own.get("rank_start") or {}).get("start_ns")]
+        for r in self.trace.ranks:
+            if r == self.rank:
+                continue
+            attrs = self._peer_attrs(r)
+            if attrs is None:  # a damaged peer does not stop this rank's replay
+                self.notes.append(
+                    f"rank {r}'s file ledger cannot be read ({self._peers[r]}): the files it created are "
+                    "not hidden"
+                )
+                continue
+            ledgers[r] = overlay.map_ledger(attrs.get("files") or {}, pairs)
+            starts.append((attrs.get("rank_start") or {}).get("start_ns"))
+        known = [int(t) for t in starts if isinstance(t, int) and not isinstance(t, bool) and t > 0]
+        return ledgers, min(known, default=None)
 
     def refuse(self, why: str) -> None:
         sys.stderr.write(f"fsdp-replay: refusing to replay: {why}\n")
@@ -501,22 +541,25 @@ class Replayer:
             "collectives, while every check so far matched the record; the recorded rank went on."
         )
         tail = "(the traceback is in the program's output above)"
-        changed = list(getattr(self, "changed_inputs", None) or [])
+        changed = [
+            (str(c["path"]), f"changed since the recording ({c['what']})")
+            for c in getattr(self, "changed_inputs", None) or []
+        ]
+        if getattr(self, "files", None) is not None:  # read as it is now, not as the recorded run found it
+            changed += [
+                (str(x["path"]), "was modified after the recorded run began") for x in self.files.late
+            ]
         frames = {os.path.realpath(f) for f in self.program_error_files}
-        changed.sort(key=lambda c: os.path.realpath(c["path"]) not in frames)
+        changed.sort(key=lambda c: os.path.realpath(c[0]) not in frames)
         if not changed:
             return (
                 f"{head} This is the replay's environment or a replay defect, not a finding about the "
                 f"recorded run {tail}"
             )
-        c = changed[0]
-        where = (
-            " and the exception's traceback passes through it"
-            if os.path.realpath(c["path"]) in frames
-            else ""
-        )
+        path, what = changed[0]
+        where = " and the exception's traceback passes through it" if os.path.realpath(path) in frames else ""
         return (
-            f"{head} Likely cause: {c['path']} changed since the recording ({c['what']}){where}; a "
+            f"{head} Likely cause: {path} {what}{where}; a "
             f"replay of changed code or inputs is not a finding about the recorded run {tail}"
         )
 
@@ -555,6 +598,10 @@ class Replayer:
                 "captured: the graph runs their kernels at each launch, outside the tape, so what they computed "
                 "was neither recorded nor injected"
             )
+        if getattr(self, "files", None) is not None:
+            named = {c["path"] for c in self.changed_inputs}  # the note on changed inputs names these
+            if late := late_note([x for x in self.files.late if x["path"] not in named]):
+                self.notes.append(late)
         ghosts = sorted(self.files.ghosts.served) if getattr(self, "files", None) is not None else []
         if ghosts:
             self.notes.append(
@@ -599,6 +646,12 @@ class Replayer:
                 return "interrupted", ExitCode.INTERRUPTED
             return "error", EXIT_BAD_INPUT
         if check_complete and self.seq < len(self.rec.colls) and self.to_step < 0:
+            nxt = self.rec.colls.get(self.seq)
+            then = (
+                f" (its next: #{nxt.seq} {nxt.op} on process group {nxt.pg} at step {nxt.step})"
+                if nxt
+                else ""
+            )
             self.divergences.append(
                 Divergence(
                     kind="ended_early",
@@ -607,7 +660,7 @@ class Replayer:
                     micro=self.micro,
                     seq=self.seq,
                     detail=f"the program ended after {self.seq} collectives; the recorded rank issued "
-                    f"{len(self.rec.colls)}",
+                    f"{len(self.rec.colls)}{then}",
                 )
             )
             return "diverged", EXIT_DIVERGED

@@ -410,9 +410,9 @@ def all_ranks_command(command: list[str], world: int) -> list[str]:
     return [*run, *rest]
 
 
-def open_rank(trace_url: str, rank: int) -> tuple[Trace, dict[str, Any]]:
-    trace = Trace.open(trace_url)
+def rank_meta(trace: Trace, rank: int) -> dict[str, Any]:
+    """The start record of ``rank`` (what the replay launches from)."""
     meta = trace.rank(rank).meta
     if not meta:
-        raise TraceFormatError(f"rank {rank} has no start record", path=trace_url)
-    return trace, meta
+        raise TraceFormatError(f"rank {rank} has no start record", path=trace.url)
+    return meta

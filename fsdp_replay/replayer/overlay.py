@@ -9,9 +9,12 @@ there), under a copy-on-write view built from the file ledger of the recording
   ``chmod``, ``truncate``) goes to the replay's private folder ``REPORT/files/<absolute path>``;
   a file opened for appending or updating is copied there first;
 - a read (``open``, ``os.open``, ``stat``, ``listdir``, ``scandir``, ``torch.load``) sees the
-  replay's own copy where it wrote one; a file the recorded run created (it did not exist when that
-  run first wrote it) is absent until the replay writes it, as it was when the recorded run began;
-  what the replay removed is absent;
+  replay's own copy where it wrote one; a file any rank of the recorded job created (it did not
+  exist when that rank first wrote it: the ledgers of all ranks, ``JobFiles``) is absent until the
+  replay writes it, as it was when the recorded run began; what the replay removed is absent;
+- a file that existed and that the recorded job changed cannot be shown as it was (the ledger keeps
+  no content): the view shows it as it is now, and a read of a file last modified after the recorded
+  run began is listed (``Overlay.late``), for the report to name it where the replay diverges;
 - the Python installation, ``/proc``, ``/sys``, ``/dev``, the replay's report folder and the
   shared caches (``~/.cache``, torch.compile's and Triton's) are used as they are.
 
@@ -24,11 +27,14 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import hashlib
 import io
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +56,6 @@ def _lexists(p: str) -> bool:
 
 
 def _isdir(p: str) -> bool:
-    import stat
-
     try:
         return stat.S_ISDIR(_o("stat")(p).st_mode)
     except (OSError, ValueError):
@@ -101,8 +105,6 @@ class Ghosts:
         return p in self.files or p in self.dirs or any(d.startswith(p + os.sep) for d in self.dirs)
 
     def stat(self, p: str) -> os.stat_result | None:
-        import stat
-
         if p in self.files:
             size, mtime_ns = self.files[p]
             mode = stat.S_IFREG | 0o444
@@ -159,18 +161,86 @@ class _RecordedOnly(FileNotFoundError):
     """A file the recorded run read that is gone where the replay runs."""
 
 
+@dataclass(slots=True)
+class JobFiles:
+    """What the recorded job's ranks did to the files, from every rank's ledger: a program finds a
+    file another rank wrote (rank 0's checkpoint) as readily as its own."""
+
+    created: set[str] = field(default_factory=set)
+    """Paths some rank created (absent when it first wrote them): hidden until the replay writes
+    them."""
+    writers: dict[str, list[int]] = field(default_factory=dict)
+    """Every path a rank wrote, created, renamed or removed, and the ranks that did."""
+    known: set[str] = field(default_factory=set)
+    """Every path a rank read, wrote or listed (the temp folder is the replay's own elsewhere)."""
+    shown: set[str] = field(default_factory=set)
+    """Paths another rank created that the replayed rank read in the recorded run: it met them
+    there, at a time the ledgers do not say, so a replay of it alone sees them as they are now."""
+    as_read: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """What the replayed rank read of files made while the job ran (size, mtime, sha256): reading
+    the same bytes again is no cause for a divergence."""
+    start_ns: int | None = None
+    """When the recording began (wall-clock Unix ns, the earliest rank's)."""
+
+
+def job_files(
+    ledgers: Mapping[int, dict[str, Any]], rank: int, *, start_ns: int | None, live: bool
+) -> JobFiles:
+    """The view's knowledge of what the job did, from the ledgers of its ranks (``ledgers[rank]``
+    the replayed rank's). ``live``: every rank runs again (``replay --all-ranks``) and makes what
+    the others read, so nothing a rank created is shown before it is made again."""
+    job = JobFiles(start_ns=start_ns)
+    for r, ledger in sorted(ledgers.items()):
+        for w in ledger.get("written", []):
+            ranks = job.writers.setdefault(w["path"], [])
+            if r not in ranks:
+                ranks.append(r)
+            if not w.get("existed"):
+                job.created.add(w["path"])
+        job.known |= {e["path"] for key in ("read", "written", "listed") for e in ledger.get(key, [])}
+    own = ledgers.get(rank) or {}
+    job.as_read = {e["path"]: e for e in own.get("read", []) if e.get("during_run")}
+    if not live:
+        job.shown = {e["path"] for e in own.get("read", [])} & job.created
+        job.created -= job.shown
+    return job
+
+
+def _sha256(path: str) -> str | None:
+    try:
+        with (_real.get("open") or builtins.open)(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
 class Overlay:
     """The replay's view of the files (module docstring)."""
 
     def __init__(
-        self, root: Path, created: set[str], known: set[str], keep: list[str], ghosts: Ghosts | None = None
+        self,
+        root: Path,
+        created: set[str],
+        known: set[str],
+        keep: list[str],
+        ghosts: Ghosts | None = None,
+        job: JobFiles | None = None,
     ) -> None:
         self.ghosts = ghosts or Ghosts({})
+        self.job = job or JobFiles()
         self.root = os.path.realpath(root)
-        self.created = created  # by the recorded run: absent until the replay writes them
+        self.created = created  # by the recorded job: absent until the replay writes them
+        # another rank's files this rank met (``JobFiles.shown``), and the folders that lead to them
+        self.shown = set(self.job.shown)
+        for q in self.job.shown:
+            while (q := os.path.dirname(q)) and q != os.sep:
+                self.shown.add(q)
         self.removed: set[str] = set()  # by the replay
         self.keep = tuple(sorted(os.path.realpath(k).rstrip(os.sep) + os.sep for k in keep))
         self.writes: list[str] = []
+        # reads of the recorded job's files made or changed after its run began, as they are now
+        self.late: list[dict[str, Any]] = []
+        self._checked: set[str] = set()
         # The temp folder is the replay's own, except where the recorded run kept files.
         self.tmp = os.path.realpath(tempfile.gettempdir()) + os.sep
         self.tmp_tops = {k[len(self.tmp) :].split(os.sep)[0] for k in known if k.startswith(self.tmp)}
@@ -192,6 +262,8 @@ class Overlay:
     def hidden(self, p: str) -> bool:
         if p in self.removed:
             return True
+        if p in self.shown:
+            return False
         q = p
         while q and q != os.sep:
             if q in self.created or q in self.removed:
@@ -202,8 +274,9 @@ class Overlay:
     def exists_below(self, p: str) -> bool:
         return not self.hidden(p) and _lexists(p)
 
-    def read(self, path: Any) -> Any:
-        """The path to read ``path`` from; raises FileNotFoundError where the view has none."""
+    def read(self, path: Any, content: bool = False) -> Any:
+        """The path to read ``path`` from; raises FileNotFoundError where the view has none.
+        ``content``: the caller reads the file's bytes (not only its metadata)."""
         p = self._path(path)
         if p is None:
             return path
@@ -212,7 +285,31 @@ class Overlay:
             return u
         if self.hidden(p):
             raise _absent(path)
+        if content:
+            self._check_late(p)
         return path
+
+    def _check_late(self, p: str) -> None:
+        """The replay reads the recorded job's file ``p`` as it is now: listed in ``late`` when it
+        was last modified after the recorded run began, unless it holds what the replayed rank read
+        of it then."""
+        start = self.job.start_ns
+        if start is None or p in self._checked:
+            return
+        try:
+            st = _o("stat")(p)
+        except (OSError, ValueError):
+            return
+        self._checked.add(p)
+        if not stat.S_ISREG(st.st_mode) or st.st_mtime_ns < start:
+            return
+        then = self.job.as_read.get(p)
+        if then is not None and int(then.get("size", -1)) == st.st_size:
+            if then.get("sha256") and then["sha256"] == _sha256(p):
+                return
+            if not then.get("sha256") and int(then.get("mtime_ns", -1)) == st.st_mtime_ns:
+                return
+        self.late.append({"path": p, "mtime_ns": st.st_mtime_ns, "written_by": self.job.writers.get(p, [])})
 
     def _gone(self, path: Any) -> str | None:
         """The absolute path when ``path`` is one the recorded run saw and is gone here."""
@@ -253,7 +350,7 @@ class Overlay:
             target = self.write(file, copy_up="a" in mode or "+" in mode)
         else:
             self._content_gone(file)
-            target = self.read(file)
+            target = self.read(file, content=True)
         return _real["open"](target, mode, *args, **kwargs)
 
     def os_open(self, path: Any, flags: int, mode: int = 0o777, *, dir_fd: Any = None) -> int:
@@ -263,7 +360,7 @@ class Overlay:
             target = self.write(path, copy_up=not flags & os.O_TRUNC)
         else:
             self._content_gone(path)
-            target = self.read(path)
+            target = self.read(path, content=True)
         return int(_real["os.open"](target, flags, mode))
 
     def stat_like(self, name: str) -> Callable[..., Any]:
@@ -409,7 +506,7 @@ class Overlay:
     def torch_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def load(f: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(f, str | os.PathLike):
-                f = self.read(f)
+                f = self.read(f, content=True)
             return original(f, *args, **kwargs)
 
         return load
@@ -437,38 +534,42 @@ class _Entries:
         self._it = iter(())
 
 
-def install(root: Path, ledger: dict[str, Any], keep: list[str]) -> Overlay:
-    """Put the view in place for this process (the replayed program); returns it."""
+def originals() -> dict[str, Any]:
+    """The functions the view replaces, as they are before it is installed."""
+    return {
+        "open": builtins.open,
+        "os.open": os.open,
+        "stat": os.stat,
+        "lstat": os.lstat,
+        "listdir": os.listdir,
+        "scandir": os.scandir,
+        "mkdir": os.mkdir,
+        "makedirs": os.makedirs,
+        "rename": os.rename,
+        "replace": os.replace,
+        "remove": os.remove,
+        "unlink": os.unlink,
+        "rmdir": os.rmdir,
+        "rmtree": shutil.rmtree,
+        "utime": os.utime,
+        "chmod": os.chmod,
+        "truncate": os.truncate,
+    }
+
+
+def install(root: Path, ledger: dict[str, Any], keep: list[str], job: JobFiles | None = None) -> Overlay:
+    """Put the view in place for this process (the replayed program); returns it. ``ledger``: the
+    replayed rank's; ``job``: what all ranks did (``job_files``; default: this rank's ledger alone)."""
     import torch
     import torch.serialization
 
-    written = {w["path"] for w in ledger.get("written", [])}
-    created = {w["path"] for w in ledger.get("written", []) if not w.get("existed")}
-    # the temp folder is the replay's own, except where the recorded run kept, read or listed files
-    known = written | {e["path"] for key in ("read", "listed") for e in ledger.get(key, [])}
-    view = Overlay(root, created, known, [*excluded_roots(), *_cache_roots(), *keep], Ghosts(ledger))
+    if job is None:
+        job = job_files({0: ledger}, 0, start_ns=None, live=True)
+    # the temp folder is the replay's own, except where the recorded job kept, read or listed files
+    keep = [*excluded_roots(), *_cache_roots(), *keep]
+    view = Overlay(root, set(job.created), job.known, keep, Ghosts(ledger), job)
     Path(view.root).mkdir(parents=True, exist_ok=True)
-    _real.update(
-        {
-            "open": builtins.open,
-            "os.open": os.open,
-            "stat": os.stat,
-            "lstat": os.lstat,
-            "listdir": os.listdir,
-            "scandir": os.scandir,
-            "mkdir": os.mkdir,
-            "makedirs": os.makedirs,
-            "rename": os.rename,
-            "replace": os.replace,
-            "remove": os.remove,
-            "unlink": os.unlink,
-            "rmdir": os.rmdir,
-            "rmtree": shutil.rmtree,
-            "utime": os.utime,
-            "chmod": os.chmod,
-            "truncate": os.truncate,
-        }
-    )
+    _real.update(originals())
     builtins.open = io.open = view.open
     os.open = view.os_open
     os.stat = view.stat_like("stat")
@@ -524,7 +625,7 @@ def changed_inputs(ledger: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def isolate(
-    ledger: dict[str, Any], root: Path, keep: list[str], notes: list[str]
+    ledger: dict[str, Any], root: Path, keep: list[str], notes: list[str], job: JobFiles | None = None
 ) -> tuple[Overlay, list[dict[str, Any]]]:
     """Check the recorded inputs, then put the view in place: (the view, the changed inputs)."""
     changed = changed_inputs(ledger)
@@ -534,4 +635,16 @@ def isolate(
         notes.append(f"files the recorded run read have changed since the recording: {listed}{more}")
     if ledger.get("overflow"):
         notes.append(f"the recording's file ledger was full: {ledger['overflow']} paths were not kept")
-    return install(root, ledger, keep), changed
+    for c in changed:  # changed by the recorded job itself: its old content is in no trace
+        if job is not None and c["path"] in job.writers:
+            c["written_by"] = job.writers[c["path"]]
+    if job is not None and job.shown:
+        shown = sorted(job.shown)
+        notes.append(
+            f"{len(shown)} file{'s' if len(shown) > 1 else ''} another rank created while the job ran "
+            f"({', '.join(shown[:3])}{' ...' if len(shown) > 3 else ''}) "
+            f"{'are' if len(shown) > 1 else 'is'} shown as now: the recorded rank read "
+            f"{'them' if len(shown) > 1 else 'it'} at a time the ledgers do not keep (replay --all-ranks "
+            "makes them again)"
+        )
+    return install(root, ledger, keep, job), changed

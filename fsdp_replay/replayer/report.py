@@ -74,6 +74,66 @@ def magnitude(expected: Any, actual: Any) -> dict[str, Any] | None:
     return payload_magnitude(raw(expected), raw(actual), str(actual.dtype).removeprefix("torch."))
 
 
+def _writers(by: list[int]) -> str:
+    """``rank 0``, ``ranks 0, 3``."""
+    return f"rank{'s' if len(by) > 1 else ''} {', '.join(map(str, by))}"
+
+
+def _late_what(x: dict[str, Any]) -> str:
+    by = x.get("written_by") or []
+    return f"{x['path']}, written by {_writers(by)} of the recorded job" if by else str(x["path"])
+
+
+def late_note(late: list[dict[str, Any]]) -> str | None:
+    """A note on the files the replay read as they are now although they were modified after the
+    recorded run began (``overlay.Overlay.late``); None when it read none."""
+    if not late:
+        return None
+    paths = "; ".join(_late_what(x) for x in late[:3])
+    return (
+        f"the replay read {_count(len(late), 'file')} last modified after the recorded run began ({paths}"
+        f"{' ...' if len(late) > 3 else ''}): the view shows such a file as it is now, not as the recorded "
+        "run found it (the trace keeps no file content)"
+    )
+
+
+def file_cause(report: dict[str, Any]) -> str | None:
+    """The file a divergence most likely comes from: one the recorded run read that changed since,
+    else one the replay read that was modified after the recorded run began; None when neither."""
+    files = report.get("files") or {}
+    changed = files.get("changed_inputs") or []
+    if changed:
+        c = changed[0]
+        by = c.get("written_by") or []
+        during = f"; {_writers(by)} of the recorded job wrote it during the run" if by else ""
+        return f"{c['path']} changed since the recording ({c['what']}{during}); the recorded run read it"
+    late = files.get("late_reads") or []
+    if late:
+        x = late[0]
+        by = x.get("written_by") or []
+        who = (
+            f"{_writers(by)} of the recorded job wrote it during the run"
+            if by
+            else "it was modified after the recorded run began"
+        )
+        return f"{x['path']} is not as the recorded run found it ({who}); the replay read it as it is now"
+    return None
+
+
+def _collective_where(d: dict[str, Any]) -> str:
+    """Where a divergence is, in the collectives: what is known of it, never a None."""
+    if d.get("seq") is None:
+        return ""
+    if d.get("kind") == "ended_early":
+        return f", after {_count(int(d['seq']), 'collective')}"
+    where = f", collective #{d['seq']}"
+    if d.get("op"):
+        where += f" {d['op']}"
+    if d.get("pg") is not None:
+        where += f" on process group {d['pg']}"
+    return where
+
+
 def _key_lines(report: dict[str, Any], status: Any) -> list[str]:
     """The replay key's differences (``replayer/key_check.py``), and the likely cause of a divergence."""
     key = report.get("numerics") or {}
@@ -162,10 +222,9 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"  restored the snapshot of step {report['restored_snapshot']}")
     lines += _fast_forward_lines(report)
     d = report.get("first_divergence")
+    cause = file_cause(report) if status == "diverged" else None
     if d:
-        where = f"step {d['step']} micro-step {d['micro']}"
-        if d.get("seq") is not None:
-            where += f", collective #{d['seq']} {d.get('op')} on process group {d.get('pg')}"
+        where = f"step {d['step']} micro-step {d['micro']}{_collective_where(d)}"
         lines.append(f"  first divergence: {d['what']} at {where}")
         if d.get("tensor"):
             lines.append(f"    tensor: {d['tensor']}")
@@ -192,7 +251,11 @@ def render_text(report: dict[str, Any]) -> str:
                 f"  earliest module that differs: {module['tensor']} at step {module['step']} micro-step "
                 f"{module['micro']}"
             )
-        elif d.get("kind") not in ("payload_missing", "ended_early", "nondeterministic_kernel"):
+        elif cause is None and d.get("kind") not in (
+            "payload_missing",
+            "ended_early",
+            "nondeterministic_kernel",
+        ):
             lines.append(
                 f"  to name the module where it starts: record again with --module-fingerprints "
                 f"steps:{d['step']}"
@@ -200,9 +263,8 @@ def render_text(report: dict[str, Any]) -> str:
         later = [x for x in report.get("divergences", [])[1:] if x.get("seq") is not None]
         if later and d.get("seq") is None:
             x = later[0]
-            lines.append(
-                f"  first collective affected: #{x['seq']} {x['op']} at step {x['step']} ({x['what']})"
-            )
+            what = f" {x['op']}" if x.get("op") else ""
+            lines.append(f"  first collective affected: #{x['seq']}{what} at step {x['step']} ({x['what']})")
     lines += _key_lines(report, status)
     if report.get("compiled"):
         lines += [f"  {line}" for line in compiled_text(report["compiled"])]
@@ -237,12 +299,8 @@ def render_text(report: dict[str, Any]) -> str:
         )
     elif report.get("ops_checked"):
         lines.append(f"  every op of the --op-fingerprints window matched ({report['ops_checked']} ops)")
-    changed = (report.get("files") or {}).get("changed_inputs") or []
-    if status == "diverged" and changed:
-        c = changed[0]
-        lines.append(
-            f"  likely cause: {c['path']} changed since the recording ({c['what']}); the recorded run read it"
-        )
+    if cause is not None:
+        lines.append(f"  likely cause: {cause}")
     written = (report.get("files") or {}).get("written") or []
     if written:
         lines.append(
@@ -308,6 +366,7 @@ def build_report(r: Any, status: str, reason: str) -> dict[str, Any]:
         "files": {
             "changed_inputs": getattr(r, "changed_inputs", []),
             "written": list(r.files.writes[:100]) if getattr(r, "files", None) is not None else [],
+            "late_reads": list(r.files.late[:100]) if getattr(r, "files", None) is not None else [],
             "private_folder": r.files.root if getattr(r, "files", None) is not None else None,
         },
         "determinism": r.rec.meta.get("determinism"),

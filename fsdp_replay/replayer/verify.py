@@ -8,6 +8,7 @@ cannot answer, which is not a divergence).
 from __future__ import annotations
 
 import math
+import shlex
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +231,16 @@ def fill_outputs(
     return None
 
 
+def all_ranks_hint(rec: RankRecord) -> str:
+    """What verifies a trace without payloads: every rank again, its collectives live."""
+    url = getattr(getattr(rec, "trace", None), "url", None)
+    where = shlex.quote(str(url)) if url else "TRACE"
+    return (
+        f"Verify it by running every rank again with live collectives: `fsdp-replay replay {where} "
+        "--all-ranks` (as many processes or devices as the recorded job had)"
+    )
+
+
 def stored_by_policy(rec: RankRecord, step: int, tape: bool = False) -> tuple[bool, str]:
     """Whether the recording was asked to keep the payloads of ``step`` (of the collectives, or
     of the nondeterministic-kernel tape), and that policy as the recording wrote it."""
@@ -266,6 +277,11 @@ def missing_payload_hint(rec: RankRecord, step: int, restore_step: int, tape: bo
         return f"{head}: {damaged} stored payloads were lost to spool damage (see `fsdp-replay inspect`)"
     if wanted:
         return f"{head}, although the recording kept payloads for {policy}"
+    if not tape and StepSet.parse(policy).empty:
+        return (
+            f"{head}: the trace was recorded with --payloads none, so no rank of it can be replayed alone. "
+            f"{all_ranks_hint(rec)}, or record with --payloads all or steps:SPEC to replay a rank alone"
+        )
     kept = kept_end(policy, restore_step)
     through = f", or replay no further than step {kept} (--to-step {kept})" if kept is not None else ""
     if kept is None and (later := _later_kept(rec, policy, step)) is not None:
@@ -311,8 +327,8 @@ def window_hint(rec: RankRecord, step: int, policy: str) -> str:
     if not dumps:
         return (
             f"the recording held payloads in memory ({policy}) and wrote none: the run did not fail "
-            "while it was recorded. Only metadata is there to check; record with --payloads all or "
-            "steps:SPEC to replay healthy steps"
+            f"while it was recorded, so no rank of it can be replayed alone. {all_ranks_hint(rec)}, or "
+            "record with --payloads all or steps:SPEC to replay healthy steps alone"
         )
     spans = ", ".join(f"{d['first_step']}..{d['last_step']} ({d['reason']})" for d in dumps)
     inside = [d for d in dumps if int(d["first_step"]) <= step <= int(d["last_step"])]

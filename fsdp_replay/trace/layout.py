@@ -125,6 +125,11 @@ def resolve_trace(path: str) -> str:
         return inner
     if "://" not in path and os.path.exists(inner):
         raise TraceFormatError("not a trace: a file where the trace folder should be", path=inner)
+    if "://" not in path and not os.path.exists(os.path.join(path, "zarr.json")):
+        from fsdp_replay.trace.attach_markers import empty_run  # it reads this module's names
+
+        if (why := empty_run(Path(path))) is not None:
+            raise TraceNotFoundError(f"{path}: {why}; there is no trace to read, nor spools to collect")
     if (
         "://" not in path
         and os.path.isdir(os.path.join(path, SPOOL_DIR))

@@ -250,6 +250,11 @@ def test_step_grammar_matches_the_agents(spec: str) -> None:
     assert (validate.step_spec_error(spec) is None) == agent_ok
 
 
+def test_a_bad_payload_policy_names_every_form_it_takes() -> None:
+    why = validate.payload_spec_error("most")
+    assert why is not None and "none, all, steps:0-3,10,20- or window:N" in why, why
+
+
 # -- JSON Pointer ---------------------------------------------------------------------------------
 def test_pointer_escaping() -> None:
     assert patch.escape("a~b/c") == "a~0b~1c"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,113 @@ def test_a_module_or_installed_file_the_record_does_not_name_is_refused(tmp_path
     (own / "train.py").write_text("print(1)\n")
     meta["script"] = {"path": str(own / "train.py"), "sha256": hashlib.sha256(b"print(1)\n").hexdigest()}
     launch.check_script(meta, [sys.executable, "-m", "pkg.train"], str(tmp_path))  # the program's own module
+
+
+def _trace_of_ranks(run: Path, ranks: tuple[int, ...], world_size: int) -> Path:
+    """A run folder whose trace holds only the start records of ``ranks`` of a job of
+    ``world_size`` (written as the agent writes them, then collected; no torch)."""
+    from fsdp_replay.trace import schema, spool
+    from fsdp_replay.trace.collect import collect
+
+    for rank in ranks:
+        w = spool.SpoolWriter(spool.rank_dir(run / schema.SPOOL_DIR, rank), rank)
+        start = {"type": "rank_start", "format_version": schema.FORMAT_VERSION, "rank": rank}
+        start.update(world_size=world_size, local_rank=rank, pid=1, host="node0", argv=["train.py"])
+        start.update(orig_argv=["python", "train.py"], executable="/usr/bin/python", cwd="/work", env={})
+        start.update(versions={"python": "3.11.7", "torch": "2.13.0+cpu"}, threads={}, determinism={})
+        start.update(policy={"payloads": "all"}, start_ns=1, fingerprint_algos={"cpu": "zlib64"})
+        start.update(script={"path": "/work/train.py", "sha256": "ab" * 32})
+        w.append(schema.KIND_EVENT, start)
+        w.close()
+    collect(run / schema.SPOOL_DIR, run / schema.TRACE_DIR)
+    return run
+
+
+def test_a_rank_the_job_did_not_have_is_a_usage_error_that_lists_the_traces_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fsdp_replay.cli.main import main
+
+    for k in [k for k in os.environ if k.startswith("FSDP_REPLAY_")]:
+        monkeypatch.delenv(k)
+    run = _trace_of_ranks(tmp_path / "two", (0, 1), 2)
+    for rank in ("7", "-1"):
+        assert main(["replay", str(run), "--rank", rank]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"--rank {rank}: the recorded job had 2 ranks and the trace holds ranks 0, 1; choose one" in err
+        )
+        assert "unusable" not in err and not (run / "replays").exists()
+    # A rank the job had and the trace lacks (its spool was lost): the trace is what falls short.
+    run = _trace_of_ranks(tmp_path / "lost", (0, 1), 3)
+    assert main(["replay", str(run), "--rank", "2"]) == 3
+    assert "rank 2 is not in this trace (ranks: [0, 1])" in capsys.readouterr().err
+
+
+# A replay's start-up, as `replay` runs it (cli/launch.py run_command with the agent's environment):
+# the program prints "ready" and waits, before it imports torch (so before the replay has started).
+_STARTING = """
+import sys
+import os
+from pathlib import Path
+from fsdp_replay.cli.launch import agent_env, run_command
+from fsdp_replay.replayer.config import ReplayConfig
+report = Path(sys.argv[1])
+config = ReplayConfig(trace=str(report / "trace.zarr"), report=str(report))
+program = "import time; print('ready', flush=True); time.sleep(60)"
+code, info = run_command([sys.executable, "-c", program], agent_env(report, config.to_env()))
+print("exit", code, info["signals_forwarded"], flush=True)
+"""
+
+
+def test_ctrl_c_while_a_replay_starts_stops_it_without_a_traceback(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from harness import child_env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STARTING, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        start_new_session=True,  # its own group, which the test's Ctrl-C goes to as a terminal's would
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"exit 130 [{int(signal.SIGINT)}]" in out, out + err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_ctrl_c_is_the_programs_again_once_the_replay_has_started() -> None:
+    import signal
+
+    from fsdp_replay.boot import attach
+
+    def own(_signum: int, _frame: object) -> None:
+        pass
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        attach._quiet_start_up()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        attach._end_quiet_start_up()  # as attach() does once the replay agent is in place
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        attach._quiet_start_up()
+        signal.signal(signal.SIGINT, own)  # the program's own handler, set while it started: kept
+        attach._end_quiet_start_up()
+        assert signal.getsignal(signal.SIGINT) is own
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's: never quieted nor changed
+        attach._quiet_start_up()
+        attach._end_quiet_start_up()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -68,3 +68,15 @@ def test_a_window_run_with_drops_is_explained_by_its_dumps_not_the_writer_bound(
     rec = _rec("window:4", [_dump(4, 9)], blobs_dropped=2, flight_blobs_dropped=2)
     hint = missing_payload_hint(rec, 1, 0)
     assert "step 1 is in none" in hint and "--max-pending-bytes" not in hint
+
+
+def test_a_trace_without_payloads_points_to_the_all_rank_replay() -> None:
+    hint = missing_payload_hint(_rec("none"), 0, 0)
+    assert "recorded with --payloads none" in hint and "no rank of it can be replayed alone" in hint
+    assert "fsdp-replay replay TRACE --all-ranks" in hint and "--payloads all" in hint
+    rec = _rec("none")
+    rec.trace = SimpleNamespace(url="/runs/my run/trace.zarr")  # the replay's trace, quoted for a shell
+    assert "fsdp-replay replay '/runs/my run/trace.zarr' --all-ranks" in missing_payload_hint(rec, 2, 0)
+    # a flight recorder's run that never failed wrote no payload either
+    assert "--all-ranks" in missing_payload_hint(_rec("window:4", []), 3, 0)
+    assert "--all-ranks" not in missing_payload_hint(_rec("steps:0-1"), 3, 2)

@@ -170,6 +170,63 @@ def test_a_replay_leaves_the_recorded_jobs_files_alone_and_names_a_changed_input
     assert _digests(ckpts) == before
 
 
+def test_a_checkpoint_another_rank_saved_is_hidden_and_one_it_overwrote_is_named(tmp_path: Path) -> None:
+    """Replaying in the recorded folder right after recording: rank 0's checkpoint is there, and a
+    program that resumes when it finds one must start fresh as every recorded rank did."""
+    workload = REPO / "tests" / "workloads" / "resume_if_present.py"
+    work, ckpt = tmp_path / "work", tmp_path / "work" / "resume.pt"
+    work.mkdir()
+    rec = tmp_path / "run"
+    run([*CLI, "record", "--out", str(rec), "--", *torchrun_cmd(2, workload)], cwd=work)
+    saved = ckpt.read_bytes()
+    trace = Trace.open(rec / schema.TRACE_DIR)
+    assert {"path": str(ckpt), "existed": False} in trace.rank(0).attrs["files"]["written"]
+    assert str(ckpt) not in {w["path"] for w in trace.rank(1).attrs["files"]["written"]}
+    for rank in (0, 1):
+        report = tmp_path / f"rank{rank}"
+        cmd = [*CLI, "replay", str(rec), "--rank", str(rank), "--report", str(report)]
+        proc = run(cmd, cwd=work, check=False)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        doc = json.loads((report / "report.json").read_text())
+        assert doc["status"] == "bit-exact" and doc["verified_steps"] == [0, 1, 2, 3]
+        assert not doc["files"].get("late_reads")
+    proc = run(
+        [*CLI, "replay", str(rec), "--all-ranks", "--report", str(tmp_path / "all")], cwd=work, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    merged = json.loads((tmp_path / "all" / "report.json").read_text())
+    assert merged["status"] == "bit-exact" and merged["ranks"] == {"0": "bit-exact", "1": "bit-exact"}
+    # the live ranks share one private folder: rank 0's replayed save is there, the recorded one intact
+    assert (tmp_path / "all" / "files" / str(ckpt).lstrip("/")).is_file()
+    assert ckpt.read_bytes() == saved
+    # Recorded again in the same folder: both ranks resume from the earlier run's checkpoint, which
+    # rank 0 overwrites; the trace cannot give it back as it was, so the report names it.
+    rec2 = tmp_path / "run2"
+    run(
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(rec2),
+            "--",
+            *torchrun_cmd(2, workload, "--steps", "6", "--save-at", "4"),
+        ],
+        cwd=work,
+    )
+    assert {"path": str(ckpt), "existed": True} in Trace.open(rec2 / schema.TRACE_DIR).rank(0).attrs["files"][
+        "written"
+    ]
+    cmd = [*CLI, "replay", str(rec2), "--rank", "1", "--report", str(tmp_path / "rank1-again")]
+    proc = run(cmd, cwd=work, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-6000:]
+    assert (
+        f"likely cause: {ckpt} changed since the recording (its content differs (sha256); rank 0 of the recorded "
+        "job wrote it during the run); the recorded run read it" in out
+    ), out[-6000:]
+    assert "--module-fingerprints" not in out and "None" not in proc.stdout, out[-6000:]
+
+
 def test_op_fingerprints_name_the_racy_op_and_its_module(tmp_path: Path) -> None:
     racy = str(REPO / "tests" / "workloads" / "racy_train.py")
     runs = {}
@@ -353,7 +410,7 @@ def test_replay_of_a_missing_rank_or_trace_is_a_clear_error(tmp_path: Path) -> N
     assert proc.returncode == 3 and "Traceback" not in proc.stderr
     rec, _ = record(tmp_path, 2, "--steps", "1", *SMALL)
     proc = run([*CLI, "replay", str(rec), "--rank", "5"], check=False, cwd=REPO)
-    assert proc.returncode == 3 and "rank 5 is not in this trace" in proc.stderr
+    assert proc.returncode == 2 and "--rank 5: the recorded job had 2 ranks" in proc.stderr, proc.stderr
     # Steps the record cannot give are refused before the program starts: no report, no verdict.
     for args, said in (
         (("--from-step", "1"), "--from-step 1: rank 1's record ends with step 0"),

@@ -194,3 +194,33 @@ def test_ranks_started_by_mp_spawn_are_named_as_not_recorded(tmp_path: Path) -> 
     assert "its ranks (2 processes) were started by torch.multiprocessing (mp.spawn)" in proc.stderr
     assert "launch them with torchrun" in proc.stderr and "never reached" not in proc.stderr
     assert spool.spool_ranks(out / schema.SPOOL_DIR) == {}
+
+
+def test_a_run_that_recorded_nothing_is_named_as_such_by_every_command_not_sent_to_collect(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After `record` said that the command recorded nothing, `inspect`, `replay` and `collect`
+    of its run folder say the same (with the exit code from run.json), and none of them sends the
+    user to `collect`, which has nothing to collect."""
+    from fsdp_replay.cli.main import main
+
+    out = tmp_path / "run"
+    monkeypatch.setenv("RANK", "0")
+    mark_attached(str(out))  # as the rank left it, dying before its first collective
+    (out / "run.json").write_text(json.dumps({"command": ["torchrun", "train.py"], "exit_code": 1}))
+    for cmd in (["inspect", str(out)], ["replay", str(out), "--rank", "0"], ["collect", str(out)]):
+        assert main(cmd) == 3, cmd
+        err = capsys.readouterr().err
+        assert "the command recorded nothing: 1 process imported torch with the agent (rank 0)" in err, err
+        assert "the command exited with code 1" in err and "fsdp-replay collect" not in err, err
+    # A command that imported no torch with the agent left run.json only (no spool folder).
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "run.json").write_text(json.dumps({"command": ["sh", "-c", "exit 0"], "exit_code": 0}))
+    assert main(["inspect", str(bare)]) == 3
+    err = capsys.readouterr().err
+    assert OLD_MESSAGE in err and "not an fsdp-replay trace" not in err, err
+    # While the command runs (run.json has no exit code yet), it may still be starting: said so.
+    (out / "run.json").write_text(json.dumps({"command": ["torchrun", "train.py"], "exit_code": None}))
+    assert main(["inspect", str(out)]) == 3
+    assert "may still be starting" in capsys.readouterr().err

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
+from harness import CLI, REPO, child_env, run, torchrun_cmd
 
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.schema import blob_path, digest_of
-from tests.harness import CLI, REPO, child_env, run, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
