@@ -16,6 +16,7 @@ from fsdp_replay.errors import ConfigError
 
 ENV_PREFIX = options.ENV_PREFIX
 MODES = ("off", "record", "replay")
+WHEN_FULL = ("wait", "drop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +201,14 @@ class RecordConfig:
     sync_steps: bool = True
     """Wait at each step end until the step's records are written (crash consistency)."""
     max_pending_bytes: int = 1 << 30
-    """Payload bytes waiting for the writer beyond which new payloads are dropped (and counted)."""
+    """Payload bytes waiting for the writer beyond which a new payload waits for room (or, with
+    ``when_full=drop``, is dropped and counted)."""
+    when_full: str = "wait"
+    """What a stored payload does when the writer, the pending bound or a GPU's payload ring is
+    full: ``wait`` (the default: the training thread waits until there is room, the wait counted
+    per step in ``payload_wait_ns``: nothing a replay needs is lost) or ``drop`` (dropped and
+    counted, the training never waits). With ``window:N`` the window's memory bound is not
+    waited for: a step that cannot be held whole restarts the window (``agent/flight.py``)."""
     window_bytes: int = 0
     """With ``window:N``: payload bytes the flight recorder holds in memory, beyond which its
     window starts at a later snapshot, then new payloads are dropped (and counted); 0: a quarter of
@@ -210,8 +218,9 @@ class RecordConfig:
     """CUDA: the size of each device's payload ring (``agent/payload_ring.py``): a device buffer
     and a pinned host buffer of this many bytes through which stored device payloads reach the
     writer off the training stream (one device-to-device copy on it, the copy to the host on a
-    side stream). A payload that finds no room is dropped and counted (``ring_full_drops``), never
-    waited for; 0: no ring, device payloads are copied to pinned memory on the training stream."""
+    side stream). A payload that finds no room waits for it (``when_full``; with ``drop``: dropped
+    and counted, ``ring_full_drops``); one larger than the ring is copied on the training stream;
+    0: no ring, device payloads are copied to pinned memory on the training stream."""
     reserve_bytes: int = 16 << 20
     """Disk space held back per rank for metadata, released when payloads fill the disk."""
     tape: bool = True
@@ -255,6 +264,11 @@ class RecordConfig:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()}={getattr(self, name)} must be >= 0")
         if self.max_pending_bytes < 1:
             raise ConfigError(f"{ENV_PREFIX}MAX_PENDING_BYTES={self.max_pending_bytes} must be >= 1")
+        if self.when_full not in WHEN_FULL:
+            raise ConfigError(
+                f"{ENV_PREFIX}WHEN_FULL={self.when_full!r}: one of {', '.join(WHEN_FULL)} (wait: the "
+                "training waits for room, nothing is lost; drop: payloads are dropped and counted)"
+            )
         if self.window_bytes < 0:
             raise ConfigError(
                 f"{ENV_PREFIX}WINDOW_BYTES={self.window_bytes} must be >= 0 (0: sized from memory)"
@@ -319,6 +333,7 @@ class RecordConfig:
             ENV_PREFIX + "SNAPSHOT_EVERY": str(self.snapshot_every),
             ENV_PREFIX + "SYNC_STEPS": "1" if self.sync_steps else "0",
             ENV_PREFIX + "MAX_PENDING_BYTES": str(self.max_pending_bytes),
+            ENV_PREFIX + "WHEN_FULL": self.when_full,
             ENV_PREFIX + "WINDOW_BYTES": str(self.window_bytes),
             ENV_PREFIX + "RESERVE_BYTES": str(self.reserve_bytes),
             ENV_PREFIX + "PAYLOAD_RING_BYTES": str(self.payload_ring_bytes),

@@ -24,8 +24,15 @@ step in progress, so between N+1 and N+interval steps (plus ``lag``: on a GPU th
 check runs on the writer thread, up to two steps behind the training thread), and the snapshots
 from there on (two with the default interval). Payload bytes (as charged) are bounded by ``max_bytes``
 (``--window-bytes``; by default sized from the host's available memory: ``window_bound``): past
-it the window first starts at a later held snapshot (fewer steps, still replayable), then new
-payloads are dropped, each counted (and reported at the step's end as a ``drop`` event).
+it the window first starts at a later held snapshot (fewer steps, still replayable). A window is
+never written with a hole in it: when even that leaves no room, the step in progress cannot be
+held whole, so nothing before it can be replayed from memory either; the recorder lets go of
+every snapshot and payload up to and including that step (``hole``), keeps no more of its
+payloads (each counted as dropped, and reported at the step's end as a ``drop`` event), and
+starts afresh at the next snapshot. A failure before that snapshot writes a ``flight_dump`` that
+says no complete window was held (its step range empty) rather than a window a replay would stop
+in. The device payload ring never drops for lack of room: a payload waits for the oldest copy
+in flight to land (``payload_ring.PayloadRing.stage``).
 """
 
 from __future__ import annotations
@@ -161,6 +168,7 @@ class Dump:
     snapshot: HeldSnapshot | None
     blobs: list[Held]
     dropped: int  # payloads of those steps dropped at the memory bound
+    hole_step: int = -1  # the last step that could not be held whole (-1: none in reach)
 
 
 class NoMemory(Exception):
@@ -196,6 +204,8 @@ class FlightRecorder:
         self._unreported = [0, 0, 0]  # drops since ``take_drops``: count, bytes, ring full
         self.landed = 0  # device payloads copied by their GPU's ring into pinned memory of their own
         self.ring_full = 0  # of ``dropped``: the payload ring had no room
+        self.hole = -1  # the last step whose payloads could not all be held (-1: none)
+        self.holes = 0  # times a step could not be held whole (the window restarted)
 
     # -- the program's side -------------------------------------------------------------------
     def hold(self, *args: Any, **kwargs: Any) -> int:
@@ -220,6 +230,8 @@ class FlightRecorder:
         cost = nbytes if cost is None else cost
         key = (fp, nbytes, algo) if isinstance(fp, int) else None  # a device fingerprint is not known yet
         with self._lock:
+            if step <= self.hole:  # this step is not held whole already: none of it is kept
+                return self._drop(step, nbytes), None
             if key is not None and (found := self._keys.get(key)) is not None:
                 held = self._held.get(found)
                 if held is not None and held.last_step < step:
@@ -227,13 +239,13 @@ class FlightRecorder:
                     self._by_step.setdefault(step, []).append(found)
                 return found, None
             if self.held_bytes + cost > self.max_bytes and not self._shrink(cost):
-                return self._drop(step, nbytes), None
+                return self._break(step, nbytes), None
             try:
                 made = copy()
             except NoMemory:
-                return self._drop(step, nbytes), None
-            if made is None:  # a device payload its GPU's payload ring has no room for now
-                return self._drop(step, nbytes, ring_full=True), None
+                return self._break(step, nbytes), None
+            if made is None:  # a device payload its GPU's payload ring could not take in time
+                return self._break(step, nbytes, ring_full=True), None
             data, ready = made
             blob_id = self._next_id
             self._next_id += 1
@@ -269,6 +281,8 @@ class FlightRecorder:
             old = self._snapshots.pop(step, None)
             if old is not None:
                 self.snapshot_bytes -= old.nbytes
+            if step <= self.hole:  # the state at a step that cannot be replayed from memory
+                return
             self._snapshots[step] = HeldSnapshot(step, state, metas, nbytes, ready or [])
             self.snapshot_bytes += nbytes
 
@@ -294,9 +308,16 @@ class FlightRecorder:
         needs that is not written yet, handed over (the ring lets go of it). A dump whose window
         starts inside the steps an earlier one wrote continues it: no second snapshot."""
         with self._writer_side():
-            start = self._start(self.current if at_step is None else at_step)
+            at = self.current if at_step is None else at_step
+            start = self._start(at)
             done = self._dumped
             write = None
+            if self.hole >= 0 and (start is None or start <= self.hole):
+                # no complete window reaches the failure: nothing of it is written (an empty
+                # step range), and what is held stays for a later dump past the hole
+                dropped = sum(n for s, n in self._dropped_in.items() if s <= at)
+                self.dumps += 1
+                return Dump(reason, detail, self.current + 1, self.current, -1, None, [], dropped, self.hole)
             if done is not None and start is not None and done[0] <= start <= done[1]:
                 first, snap_step = done[0], done[2]
             elif start is None:  # before the first snapshot (step 0's): a replay from 0 needs none
@@ -335,6 +356,7 @@ class FlightRecorder:
             "flight_dumps": self.dumps,
             "flight_ring_landed": self.landed,
             "flight_ring_full_drops": self.ring_full,
+            "flight_window_holes": self.holes,
         }
 
     # -- inside the lock ----------------------------------------------------------------------
@@ -347,6 +369,17 @@ class FlightRecorder:
         self._unreported[2] += ring_full
         self._dropped_in[step] = self._dropped_in.get(step, 0) + 1
         return schema.NO_BLOB
+
+    def _break(self, step: int, nbytes: int, ring_full: bool = False) -> int:
+        """A payload of ``step`` that cannot be held: the step cannot be replayed from memory, so
+        neither can any before it. Let go of them all (their memory is the next steps'), keep no
+        more of this step's, and let the window start again at the next snapshot."""
+        self.hole = max(self.hole, step)
+        self.holes += 1
+        self._evict_before(step + 1)
+        for s in [s for s in self._snapshots if s <= step]:
+            self.snapshot_bytes -= self._snapshots.pop(s).nbytes
+        return self._drop(step, nbytes, ring_full)
 
     @contextlib.contextmanager
     def _writer_side(self) -> Iterator[None]:

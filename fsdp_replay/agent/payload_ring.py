@@ -20,21 +20,27 @@ in pinned memory of its own (``stage(..., own=True)``, through torch's caching h
 the blocks of evicted payloads are reused for the next steps' payloads of the same size class):
 its device slot is freed by the training thread as soon as that copy is done (``reap``: an event
 query at the next stage), and nothing is copied on the host at all. When there is no room (the
-writer is behind, or a payload is larger than the ring) the payload is dropped and counted (``ring_full_drops``), its metadata and fingerprint
-kept: the training thread never waits for room. The device buffer is allocated when the first
+writer is behind, or the host copies in flight fill it), the payload waits for room
+(``--when-full wait``, the default: for the oldest copy in flight to land, or for the writer to
+free a slot; the wait is counted), or with ``--when-full drop`` it is dropped and counted
+(``ring_full_drops``), its metadata and fingerprint kept. A payload larger than the ring
+(``TooLarge``) is copied on the training stream instead (``tensor_record._copy``). The device buffer is allocated when the first
 device payload of a device is stored (through the caching allocator, so it shows in the
 program's memory statistics), the pinned host buffer at the first payload that goes through it;
 both live until the process ends.
 
 The bound, stated: per stored device payload, the training stream runs one device-to-device copy
-of its bytes and one event record; it never waits for the host copy, the writer or the disk.
+of its bytes and one event record; it never waits for the host copy, the writer or the disk. The
+training *thread* waits only when the ring is full, and only with ``--when-full wait``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,11 +69,15 @@ class RingSpace:
         self._by_offset: dict[int, list[int]] = {}
         self._head = 0  # where the next slot goes (the newest live slot's end)
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
         self.used = 0  # bytes in live slots (their aligned sizes)
+
+    def slot_size(self, nbytes: int) -> int:
+        return max(self.align, -(-nbytes // self.align) * self.align)
 
     def take(self, nbytes: int) -> int | None:
         """An offset with ``nbytes`` free after it, or None when there is no room now."""
-        size = max(self.align, -(-nbytes // self.align) * self.align)
+        size = self.slot_size(nbytes)
         with self._lock:
             if not self._live:
                 self._head = 0
@@ -99,6 +109,12 @@ class RingSpace:
             self.used -= slot[1]
             while self._live and self._live[0][2]:
                 self._live.popleft()
+            self._freed.notify_all()
+
+    def wait_freed(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a slot to be freed (by the writer)."""
+        with self._freed:
+            self._freed.wait(timeout)
 
     def live(self) -> int:
         with self._lock:
@@ -141,8 +157,51 @@ class Landing:
                 freed += 1
         return freed
 
+    def wait_oldest(self) -> bool:
+        """Wait for the oldest pending copy to land, then free what has; False if none is pending."""
+        with self._lock:
+            oldest = self._pending[0][0] if self._pending else None
+        if oldest is None:
+            return False
+        sync = getattr(oldest, "synchronize", None)
+        if sync is not None:
+            sync()
+        self.reap()
+        return True
+
     def __len__(self) -> int:
         return len(self._pending)
+
+
+class TooLarge(Exception):
+    """A payload larger than the whole ring: the caller copies it another way."""
+
+
+WAIT_LIMIT_S = 120.0
+"""The longest a payload waits for room (``--when-full wait``) before it is dropped after all,
+with a warning: a writer that frees nothing for two minutes is stuck (a hung file system), and the
+training must not hang with it."""
+
+
+def take_waiting(
+    space: RingSpace,
+    landing: Landing,
+    nbytes: int,
+    wait: Callable[[int], None],
+    limit_s: float = WAIT_LIMIT_S,
+) -> int | None:
+    """A slot of ``space`` once there is room: the oldest host copy in flight landed (its slot
+    freed by ``landing``), or the writer freed one. Calls ``wait`` with the ns it waited; None
+    after ``limit_s`` seconds without room."""
+    t0 = time.monotonic_ns()
+    deadline = time.monotonic() + limit_s
+    off = space.take(nbytes)
+    while off is None and time.monotonic() < deadline:
+        if not landing.wait_oldest():
+            space.wait_freed(min(0.05, max(0.0, deadline - time.monotonic())))
+        off = space.take(nbytes)
+    wait(time.monotonic_ns() - t0)
+    return off
 
 
 @dataclass(slots=True)
@@ -180,13 +239,33 @@ class PayloadRing:
             self._host = torch.empty(self.space.capacity, dtype=torch.uint8, pin_memory=True)
         return self._host
 
-    def stage(self, t: torch.Tensor, nbytes: int, own: bool = False) -> tuple[Any, Any] | None:
-        """Copy ``t`` (on this ring's device) into a slot; None when the ring has no room. The
+    def stage(
+        self,
+        t: torch.Tensor,
+        nbytes: int,
+        own: bool = False,
+        wait: Callable[[int], None] | None = None,
+    ) -> tuple[Any, Any] | None:
+        """Copy ``t`` (on this ring's device) into a slot; None when the ring has no room (with
+        ``wait``: none came within ``WAIT_LIMIT_S``; ``wait`` is called with the ns waited). The
         bytes land in the slot of the pinned host buffer (a ``Staged`` the writer releases), or
-        with ``own`` in a pinned uint8 tensor of their own, the slot freed by a later ``reap``."""
+        with ``own`` in a pinned uint8 tensor of their own, the slot freed by a later ``reap``.
+        Raises ``TooLarge`` for a payload larger than the ring."""
+        if self.space.slot_size(nbytes) > self.space.capacity:
+            raise TooLarge(nbytes)
         if len(self.landing):
             self.landing.reap()
         off = self.space.take(nbytes)
+        if off is None and wait is not None:
+            off = take_waiting(self.space, self.landing, nbytes, wait)
+            if off is None:
+                log.warning(
+                    "fsdp-replay: no room in the payload ring of %s for %.0f s (the writer is stuck?): a "
+                    "payload of %d bytes is dropped",
+                    self.device,
+                    WAIT_LIMIT_S,
+                    nbytes,
+                )
         if off is None:
             return None
         try:

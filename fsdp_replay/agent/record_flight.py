@@ -144,21 +144,23 @@ class FlightDumps:
             out.append(("held", (held.id, held.data, held.nbytes, held.ready)))
             blobs += 1
             nbytes += held.nbytes
-        out.append(
-            (
-                "ev",
-                {
-                    "type": schema.EV_FLIGHT_DUMP,
-                    "reason": dump.reason,
-                    "detail": dump.detail,
-                    "first_step": dump.first_step,
-                    "last_step": dump.last_step,
-                    "snapshot_step": dump.snapshot_step,
-                    "blobs": blobs,
-                    "nbytes": nbytes,
-                    "dropped": dump.dropped,
-                    "t_ns": t_ns,
-                },
+        ev: dict[str, Any] = {
+            "type": schema.EV_FLIGHT_DUMP,
+            "reason": dump.reason,
+            "detail": dump.detail,
+            "first_step": dump.first_step,
+            "last_step": dump.last_step,
+            "snapshot_step": dump.snapshot_step,
+            "blobs": blobs,
+            "nbytes": nbytes,
+            "dropped": dump.dropped,
+            "t_ns": t_ns,
+        }
+        if dump.hole_step >= 0:
+            ev["hole_step"] = dump.hole_step
+            ev["detail"] = (
+                f"{dump.detail}; no complete window: step {dump.hole_step}'s payloads did not fit in the "
+                "flight recorder's memory (--window-bytes), and no snapshot was taken after it yet"
             )
-        )
+        out.append(("ev", ev))
         return out

@@ -160,6 +160,7 @@ class TapeRecorder:
         keep = store and self.tensors.flight is not None and self.tensors.rings.capacity > 0
         ns.keep, ns.keep_limit = int(keep), self.tensors.rings.capacity
         ns.keep_sm = int(self.tensors.rings.sm_copy)
+        ns.keep_wait = int(self.tensors.wait)  # --when-full wait: past the bound a call waits
         marking = st.gpu.marking() if st.gpu is not None else None
         if marking is not None:
             ns.mark_push, ns.mark_pop, ns.mark_kind, ns.mark_id = marking

@@ -313,6 +313,9 @@ class Recorder:
             out["tape_cxx_deferred"] = native.state.deferred
             out["tape_cxx_kept"] = native.state.kept
             out["tape_cxx_keep_dropped"] = native.state.keep_dropped
+            # the hook's waits for room are the recording's waits as much as the ring's
+            out["payload_waits"] += native.state.keep_waits
+            out["payload_wait_ns"] += native.state.keep_wait_ns
             out["tape_cxx_host_allocs"] = native.state.host_allocs
             out["tape_cxx_host_reuses"] = native.state.host_reuses
             out["tape_cxx_host_bytes"] = native.state.host_bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
@@ -12,11 +13,12 @@ from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.fingerprint import fingerprint, nbytes_of
 from fsdp_replay.agent.flight import FlightRecorder, NoMemory
-from fsdp_replay.agent.payload_ring import PayloadRings, pinned_bytes
+from fsdp_replay.agent.payload_ring import WAIT_LIMIT_S, PayloadRings, TooLarge, pinned_bytes
 from fsdp_replay.agent.writer import BackgroundWriter, BlobRef
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.events import Tensor
 
+log = logging.getLogger(__name__)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 SMALL_PAYLOAD_BYTES = 64 << 10
 """In the first two steps (``WARMUP_PAYLOAD_STEPS``) a tensor this small keeps its bytes under any
@@ -67,6 +69,8 @@ class TensorRecorder:
 
     def __init__(self, config: RecordConfig, state: AgentState, flight: FlightRecorder | None = None) -> None:
         self.max_pending_bytes = config.max_pending_bytes
+        self.wait = config.when_full == "wait"  # back-pressure: a full writer or ring is waited for
+        self._stuck_warned = False
         self.state = state
         self.flight = flight
         # not with `none` (the user keeps no bytes) nor a window (a healthy run writes none)
@@ -77,18 +81,40 @@ class TensorRecorder:
         self, t: torch.Tensor, nbytes: int, own: bool = False
     ) -> tuple[Any, Any] | Literal[False] | None:
         """A device tensor's bytes on their way to the host through its device's ring
-        (``payload_ring.py``; with ``own``, into pinned memory of their own); None: no ring (the
-        plain copy); False: the ring is full."""
+        (``payload_ring.py``; with ``own``, into pinned memory of their own); None: no ring, or a
+        payload larger than it (the plain copy); False: the ring is full (with ``--when-full
+        wait``: it stayed full for ``WAIT_LIMIT_S``)."""
         if t.device.type != "cuda":
             return None
         ring = self.rings.ring(t.device)
         if ring is None:
             return None
+        w = self.state.writer
         try:
-            staged = ring.stage(t, nbytes, own)
+            staged = ring.stage(t, nbytes, own, wait=w.waited if self.wait and w is not None else None)
+        except TooLarge:  # a payload larger than the ring: copied on the training stream
+            return None
         except RuntimeError:  # a dtype the byte ring cannot view, no pinned memory: the plain copy
             return None
         return False if staged is None else staged
+
+    def _room(self, w: BackgroundWriter, nbytes: int) -> bool:
+        """With ``--when-full wait``: wait until the writer has room for ``nbytes`` more pending
+        bytes (counted as a wait); False with ``drop``, or when the writer freed nothing for
+        ``WAIT_LIMIT_S``."""
+        if not self.wait:
+            return False
+        t0 = time.monotonic_ns()
+        ok = w.wait_room(nbytes, self.max_pending_bytes, WAIT_LIMIT_S)
+        w.waited(time.monotonic_ns() - t0)
+        if not ok and not self._stuck_warned:
+            self._stuck_warned = True
+            log.warning(
+                "fsdp-replay: the spool writer took no payload bytes for %.0f s (a stuck disk?); payloads "
+                "past --max-pending-bytes are dropped while it stays so",
+                WAIT_LIMIT_S,
+            )
+        return ok
 
     def _hold(self, w: BackgroundWriter, t: torch.Tensor, fp: Any, nbytes: int, algo: str) -> int:
         """Into the flight recorder's memory: a device payload through its GPU's ring into pinned
@@ -162,7 +188,7 @@ class TensorRecorder:
             nbytes = nbytes_of(t)
             if self.flight is not None:
                 blob = self._hold(w, t, fp, nbytes, algo)
-            elif w.pending_bytes + nbytes > self.max_pending_bytes:
+            elif w.pending_bytes + nbytes > self.max_pending_bytes and not self._room(w, nbytes):
                 w.count_dropped(nbytes)
             else:
                 staged = self._stage(t, nbytes)

@@ -71,6 +71,12 @@ class Counters:
         self.ring_full_bytes = 0
         self.events_dropped = 0
         self.write_errors = 0
+        # Back-pressure (``--when-full wait``): times the training waited for room for a payload
+        # (the writer, the pending bound, a GPU's payload ring or the tape's copies in flight), and
+        # the wall time it waited; and the wall time the writer spent writing payload bytes.
+        self.payload_waits = 0
+        self.payload_wait_ns = 0
+        self.blob_write_ns = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -99,6 +105,7 @@ class BackgroundWriter:
         self._next_blob = 0
         self._retry: collections.deque[bytes] = collections.deque()
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # pending_bytes went down
         self._events: list[dict[str, Any]] = []
         self._events_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="fsdp-replay-writer", daemon=True)
@@ -138,6 +145,30 @@ class BackgroundWriter:
         with self._lock:
             self.pending_bytes += nbytes
         self._put(("blob", (ref, data, fp, nbytes, algo, ready)))
+
+    def wait_room(self, nbytes: int, limit: int, timeout: float) -> bool:
+        """Wait (training thread) until ``nbytes`` more pending payload bytes stay within ``limit``
+        (or nothing is pending: a payload larger than the bound goes alone), the disk has filled
+        (the writer then drops payloads itself), or the writer has stopped. False: still no room
+        after ``timeout`` seconds (the writer is stuck)."""
+        deadline = time.monotonic() + timeout
+        with self._room:
+            while self.pending_bytes > 0 and self.pending_bytes + nbytes > limit:
+                left = deadline - time.monotonic()
+                if self.payloads_off or not self._thread.is_alive() or left <= 0:
+                    break
+                self._room.wait(min(left, POLL_S))
+            return (
+                self.pending_bytes == 0
+                or self.pending_bytes + nbytes <= limit
+                or self.payloads_off
+                or not self._thread.is_alive()
+            )
+
+    def waited(self, ns: int) -> None:
+        """Count one wait for room of ``ns`` (the training thread's, whatever it waited for)."""
+        self.counters.payload_waits += 1
+        self.counters.payload_wait_ns += ns
 
     def call(self, fn: Callable[[], list[tuple[str, Any]]]) -> None:
         """Run fn on the writer thread; it returns ("ev", obj), ("raw", (ref, bytes)) (metadata
@@ -319,14 +350,16 @@ class BackgroundWriter:
             if self._write_raw(ref, buf):
                 self._dedup[key] = ref.id
         finally:
-            with self._lock:
+            with self._room:
                 self.pending_bytes -= nbytes
+                self._room.notify_all()
             if hasattr(data, "release"):  # a device payload ring's slot (payload_ring.Staged)
                 data.release()
 
     def _write_raw(self, ref: BlobRef, raw: Any) -> bool:
         nbytes = memoryview(raw).nbytes
         blob_id = self._next_blob
+        t0 = time.monotonic_ns()
         try:
             self.spool.append(schema.KIND_BLOB, {"blob": blob_id, "nbytes": nbytes}, raw)
         except OSError as e:
@@ -337,6 +370,7 @@ class BackgroundWriter:
             return False
         self._next_blob += 1
         ref.id = blob_id
+        self.counters.blob_write_ns += time.monotonic_ns() - t0
         self.counters.blobs += 1
         self.counters.blob_bytes += nbytes
         return True
@@ -352,7 +386,9 @@ class BackgroundWriter:
                 data if isinstance(data, bytes | bytearray | memoryview) else host_buffer(_host_tensor(data))
             )
             try:
+                t0 = time.monotonic_ns()
                 self.spool.append(schema.KIND_BLOB, {"blob": blob_id, "nbytes": nbytes}, buf)
+                self.counters.blob_write_ns += time.monotonic_ns() - t0
                 self.counters.blobs += 1
                 self.counters.blob_bytes += nbytes
                 return

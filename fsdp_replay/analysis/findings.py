@@ -329,6 +329,24 @@ def _rank_findings(r: dict[str, Any], q: str, caused_by: list[int] | None = None
                 rank=rank,
             )
         )
+    waits = r.get("recording_waits")
+    if waits:
+        rate = waits.get("writer_gb_per_s")
+        out.append(
+            finding(
+                "recording_waited",
+                INFO,
+                f"rank {rank}: recording waited {waits['total_ms'] / 1e3:.2f} s for room for payloads in "
+                f"{waits['steps']} of {r['steps']} steps (the most: step {waits['worst_step']}, "
+                f"{waits['worst_ms']:.0f} ms) for its writer, --max-pending-bytes or the GPU's payload ring"
+                + (f"; the writer wrote payloads at {rate:.2f} GB/s" if rate else "")
+                + "; nothing was dropped for room (--when-full wait)",
+                "to record with less waiting: fewer --payloads steps (steps:SPEC), the flight recorder "
+                "(--payloads window:N), a faster disk, or a larger --max-pending-bytes / --payload-ring-bytes",
+                rank=rank,
+                step=waits["worst_step"],
+            )
+        )
     for e in r.get("agent_errors") or []:
         out.append(
             finding(
@@ -405,7 +423,24 @@ def flight_findings(per_rank: list[dict[str, Any]], q: str) -> list[dict[str, An
     failure's dumps cover together, why, and the replay of them; or that it wrote nothing."""
     out = []
     for r in per_rank:
-        dumps = sorted((r.get("flight_recorder") or {}).get("dumps") or [], key=lambda d: d["t_ns"])
+        everything = sorted((r.get("flight_recorder") or {}).get("dumps") or [], key=lambda d: d["t_ns"])
+        dumps = [d for d in everything if d["first_step"] <= d["last_step"]]
+        rank = r["rank"]
+        for d in everything:
+            if d["first_step"] > d["last_step"]:  # the failure found no complete window held
+                out.append(
+                    finding(
+                        "flight",
+                        WARNING,
+                        f"rank {rank}: the flight recorder caught a failure at step {d['last_step']} "
+                        f"({d['reason']}: {d['detail']}) but held no complete window to write",
+                        "record again with a larger --window-bytes or --snapshot-every closer to the "
+                        "window; every rank can be replayed together with live collectives: "
+                        f"fsdp-replay replay {q} --all-ranks",
+                        rank=rank,
+                        step=int(d["last_step"]),
+                    )
+                )
         groups: list[dict[str, Any]] = []  # dumps whose steps join up: one replay covers them
         for d in dumps:
             g = groups[-1] if groups else None
@@ -414,7 +449,6 @@ def flight_findings(per_rank: list[dict[str, Any]], q: str) -> list[dict[str, An
                 g["reasons"].append(d)
             else:
                 groups.append({"first": d["first_step"], "last": d["last_step"], "reasons": [d]})
-        rank = r["rank"]
         for g in groups:
             first, to = g["first"], min(g["last"], r["steps"] - 1)  # a step in progress is partial
             why = "; then ".join(f"{d['reason']} ({d['detail']})" for d in g["reasons"])

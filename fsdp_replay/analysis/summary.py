@@ -91,6 +91,7 @@ def rank_summary(r: RankTrace) -> dict[str, Any]:
             "unwritten": r.attrs.get("flight_unwritten", 0),
         },
         "recording_cost": recording_cost(r),
+        "recording_waits": recording_waits(r),
         "memory": memory_summary(r),
         "environment": {
             "argv": meta.get("argv"),
@@ -187,6 +188,29 @@ def recording_cost(r: RankTrace, skip_steps: int = 0) -> dict[str, Any] | None:
     if parts:
         out["agent_cpu_parts_ms"] = parts
     return out
+
+
+def recording_waits(r: RankTrace) -> dict[str, Any] | None:
+    """How long the training waited for room for payloads (``--when-full wait``), from the
+    cumulative ``steps.payload_wait_ns``: in all, the steps that waited, the step that waited
+    most, and the writer's rate (``steps.blob_bytes`` over ``blob_write_ns``). None where the
+    trace has no such columns or nothing waited."""
+    st = r.steps
+    if not len(st) or not st.has("payload_wait_ns"):
+        return None
+    waits = st["payload_wait_ns"]
+    if waits.min() < 0 or waits[-1] <= 0:
+        return None
+    per_step = np.diff(waits, prepend=0)
+    worst = int(np.argmax(per_step))
+    nbytes, write_ns = int(st["blob_bytes"][-1]), int(st["blob_write_ns"][-1])
+    return {
+        "total_ms": float(waits[-1]) / 1e6,
+        "steps": int((per_step > 0).sum()),
+        "worst_step": int(st["step"][worst]),
+        "worst_ms": float(per_step[worst]) / 1e6,
+        "writer_gb_per_s": nbytes / write_ns if nbytes > 0 and write_ns > 0 else None,
+    }
 
 
 def summarize(trace: Trace, ranks: list[int] | None = None) -> dict[str, Any]:

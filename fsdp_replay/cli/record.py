@@ -122,6 +122,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         snapshot_every=args.snapshot_every,
         sync_steps=args.sync_steps,
         max_pending_bytes=args.max_pending_bytes,
+        when_full=args.when_full,
         window_bytes=args.window_bytes,
         reserve_bytes=args.reserve_bytes,
         payload_ring_bytes=args.payload_ring_bytes,
@@ -248,7 +249,7 @@ _SIGNING_KEY_HELP = (
 
 
 def register(sub: Any) -> None:
-    from fsdp_replay.agent.config import RecordConfig
+    from fsdp_replay.agent.config import WHEN_FULL, RecordConfig
 
     defaults = RecordConfig(out="-")
     r = sub.add_parser(
@@ -286,8 +287,17 @@ def register(sub: Any) -> None:
         "--max-pending-bytes",
         kind="int",
         default=defaults.max_pending_bytes,
-        help="payload bytes each rank lets wait for its writer; payloads beyond it are dropped and counted (the "
-        "tape's results on a large model can need several GiB a step)",
+        help="payload bytes each rank lets wait for its writer; past it a new payload waits for room (or, with "
+        "--when-full drop, is dropped and counted)",
+    )
+    env_option(
+        r,
+        "--when-full",
+        default=defaults.when_full,
+        choices=WHEN_FULL,
+        help="when the writer, --max-pending-bytes or a GPU's payload ring is full: wait (the default: the training "
+        "waits for room, the wait counted per step and reported; nothing a replay needs is lost) or drop "
+        "(payloads are dropped and counted; a replay stops where it needs one)",
     )
     env_option(
         r,
@@ -295,7 +305,8 @@ def register(sub: Any) -> None:
         kind="int",
         default=defaults.window_bytes,
         help="with --payloads window:N: payload bytes each rank's flight recorder holds in memory; past it the "
-        "window starts at a later snapshot, then payloads are dropped and counted; 0: a quarter of the available "
+        "window starts at a later snapshot; a step that still does not fit restarts the window at the next "
+        "snapshot (a window is never written with holes); 0: a quarter of the available "
         "memory (the host's, or what a container's memory limit leaves) divided by its ranks (LOCAL_WORLD_SIZE), "
         "at least --max-pending-bytes",
     )
@@ -305,8 +316,8 @@ def register(sub: Any) -> None:
         kind="int",
         default=defaults.payload_ring_bytes,
         help="CUDA: bytes of each GPU's payload ring (a device and a pinned host buffer): stored device "
-        "payloads reach the writer off the training stream; one that finds no room is dropped and counted; "
-        "0: copy them on the training stream",
+        "payloads reach the writer off the training stream; one that finds no room waits for it (see "
+        "--when-full); 0: copy them on the training stream",
     )
     env_option(
         r,

@@ -318,4 +318,12 @@ def print_collect(report: Any) -> None:
                 f"  rank {r.rank}: {r.payloads_dropped} payloads dropped while recording ({why}); every event was kept",
                 file=sys.stderr,
             )
+        if r.payload_waits:
+            rate = f"; its writer wrote at {r.writer_rate / 1e9:.2f} GB/s" if r.writer_rate else ""
+            print(
+                f"  rank {r.rank}: recording waited {r.payload_wait_ns / 1e9:.2f} s in all for room for "
+                f"payloads ({r.payload_waits} waits: the writer, --max-pending-bytes or the GPU's payload "
+                f"ring was full: --when-full wait waits rather than drops){rate}; `fsdp-replay inspect` names the steps",
+                file=sys.stderr,
+            )
     print(f"fsdp-replay: trace written to {report.trace} in {report.seconds:.1f}s", file=sys.stderr)

@@ -49,8 +49,11 @@ class Reach:
         # After the restore, until the program draws a batch or calls its model.
         self.after_restore = False
         self.unverified_after_restore = 0
-        dumps = rec.attrs.get("flight_dumps") or []
-        # --payloads window:N: the record's payloads are those of the dumps' steps only
+        # --payloads window:N: the record's payloads are those of the dumps' steps only (a dump
+        # that found no complete window wrote none: its step range is empty)
+        dumps = [
+            d for d in rec.attrs.get("flight_dumps") or [] if int(d["first_step"]) <= int(d["last_step"])
+        ]
         self.flight_end = max(int(d["last_step"]) for d in dumps) if dumps else None
         self.flight_dumps = len(dumps)
         # --payloads steps:A-B: those of the unbroken run of kept steps from the restored one (a

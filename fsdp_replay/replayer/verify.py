@@ -321,9 +321,17 @@ def kept_end(policy: str, start: int) -> int | None:
 def window_hint(rec: RankRecord, step: int, policy: str) -> str:
     """Why a flight recorder's trace (``--payloads window:N``) has no payload for ``step``: it
     wrote payloads only for the steps of its dumps (a failure's window), and which those are."""
-    dumps = rec.attrs.get("flight_dumps") or []
+    every = rec.attrs.get("flight_dumps") or []
+    dumps = [d for d in every if int(d["first_step"]) <= int(d["last_step"])]
     counters = (rec.attrs.get("end") or {}).get("counters") or {}
     held_dropped = int(counters.get("flight_blobs_dropped", 0))
+    if every and not dumps:
+        d = every[-1]
+        return (
+            f"the flight recorder ({policy}) caught a failure ({d['reason']}) but held no complete "
+            f"window to write: {d['detail']}. {all_ranks_hint(rec)}, or record again with a larger "
+            "--window-bytes"
+        )
     if not dumps:
         return (
             f"the recording held payloads in memory ({policy}) and wrote none: the run did not fail "

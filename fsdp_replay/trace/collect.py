@@ -31,7 +31,14 @@ import fsdp_replay
 from fsdp_replay.errors import TraceFormatError
 from fsdp_replay.trace import layout, schema, signing, spool
 from fsdp_replay.trace.follow import SpoolFollower
-from fsdp_replay.trace.rank_builder import CollectReport, RankBuilder, RankReport, UnknownEventError, jsonable
+from fsdp_replay.trace.rank_builder import (
+    CollectReport,
+    RankBuilder,
+    RankReport,
+    UnknownEventError,
+    jsonable,
+    write_rate,
+)
 from fsdp_replay.trace.rank_store import Cursor, RankStore, segment_created, segment_index
 from fsdp_replay.trace.store import COLUMN_CHUNK, DEFAULT_BLOB_CODEC, Location, open_root
 
@@ -234,6 +241,9 @@ class Collector:
         rr.payloads_dropped = int(counters.get("blobs_dropped", 0))
         rr.ring_full_drops = int(counters.get("ring_full_drops", 0))
         rr.window = "flight_blobs_dropped" in counters
+        rr.payload_waits = int(counters.get("payload_waits", 0))
+        rr.payload_wait_ns = int(counters.get("payload_wait_ns", 0))
+        rr.writer_rate = write_rate(counters)
         rr.payload_missing = int(b.attrs["payload_missing"])
         rr.damage = list(b.attrs["damage"])
         rr.completeness = dict(store.completeness)

@@ -293,7 +293,7 @@ class KernelOp(TypedDict):
     tensors: list[Tensor]
 
 
-class FlightDump(TypedDict):
+class _FlightDump(TypedDict):
     """The payload flight recorder (``--payloads window:N``, ``agent/flight.py``) wrote what it
     held, because the run failed; written after the blobs and the snapshot it names."""
 
@@ -311,9 +311,16 @@ class FlightDump(TypedDict):
     """Payload blobs this dump wrote (RNG states included)."""
     nbytes: int
     dropped: int
-    """Payloads of these steps dropped at the memory bound (--window-bytes): a replay stops
-    where it needs one."""
+    """Payloads dropped at the memory bound (--window-bytes) since the last dump. A dump never
+    names a step range with a hole in it: ``first_step..last_step`` is empty when no complete
+    window reached the failure (then ``hole_step`` says which step could not be held whole)."""
     t_ns: int
+
+
+class FlightDump(_FlightDump, total=False):
+    hole_step: int
+    """The last step whose payloads the flight recorder could not all hold (the window restarted
+    at the next snapshot): present where it left no complete window for this dump."""
 
 
 class _Memory(TypedDict):

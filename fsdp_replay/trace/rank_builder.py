@@ -25,6 +25,7 @@ from fsdp_replay.trace.schema import (
     ALLOC_ACTIONS,
     MODULE_KIND_CODES,
     ROLE_CODES,
+    STEP_WAIT_COUNTERS,
     TABLES,
     blob_path,
     digest_of,
@@ -62,6 +63,13 @@ class Names:
         return c
 
 
+def write_rate(counters: dict[str, Any]) -> float | None:
+    """The writer's payload bytes a second of its writing (``blob_bytes`` over ``blob_write_ns``),
+    or None where it wrote none or did not count."""
+    nbytes, ns = int(counters.get("blob_bytes", 0)), int(counters.get("blob_write_ns", 0))
+    return nbytes / (ns / 1e9) if nbytes > 0 and ns > 0 else None
+
+
 @dataclass(slots=True)
 class RankReport:
     rank: int
@@ -76,6 +84,9 @@ class RankReport:
     payloads_dropped: int = 0  # by the agent (disk full, memory bound), from its end counters
     window: bool = False  # a --payloads window:N run: its memory bound is --window-bytes
     ring_full_drops: int = 0  # of payloads_dropped: no room in a GPU's payload ring
+    payload_waits: int = 0  # times the training waited for room for a payload (--when-full wait)
+    payload_wait_ns: int = 0  # how long in all
+    writer_rate: float | None = None  # the writer's payload bytes a second of its writing, if it wrote
     damage: list[str] = field(default_factory=list)
     clean_end: bool = False
     error: str | None = None  # the rank could not be collected at all (its group was not written)
@@ -439,6 +450,8 @@ class RankBuilder:
         counters = ev.get("counters") or {}
         for part in AGENT_CPU_PARTS:
             values[f"cpu_{part}_ns"] = int(counters.get(f"agent_cpu_{part}_ns", -1))
+        for name in STEP_WAIT_COUNTERS:
+            values[name] = int(counters.get(name, -1))
         for k, v in values.items():
             s[k].append(v)
         ends = self.cols["micro_steps"]

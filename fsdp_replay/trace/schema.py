@@ -182,6 +182,9 @@ AGENT_CPU_PARTS: Final = ("collectives", "tape", "payloads", "snapshots", "cxx")
 """The parts of the hooks' CPU time the step and end counters carry as ``agent_cpu_<part>_ns``
 (session 14 on): the collectives' hooks, the tape's Python path, keeping payloads' bytes and
 snapshots (inside the other hooks), the C++ kernel and tape hook. Parts of ``agent_cpu_ns``."""
+STEP_WAIT_COUNTERS: Final = ("payload_wait_ns", "blob_bytes", "blob_write_ns")
+"""Counters the step table carries as columns of their own (cumulative): how long the training
+waited for room for payloads (``--when-full wait``), and the writer's payload bytes and time."""
 # A collective in flight this long is written down as `stuck` (so a hang killed by SIGKILL still
 # shows where each rank waited).
 STUCK_AFTER_NS: Final = 2_000_000_000
@@ -373,6 +376,10 @@ TABLES: dict[str, dict[str, str]] = {
         "writer_cpu_ns": "int64",
         # the parts of agent_cpu_ns (AGENT_CPU_PARTS), cumulative; absent from older traces
         **{f"cpu_{part}_ns": "int64" for part in AGENT_CPU_PARTS},
+        # cumulative (absent from older traces; -1 where the agent did not count): the wall time
+        # the training waited for room for payloads (--when-full wait), the payload bytes the
+        # writer wrote and the wall time it spent writing them
+        **dict.fromkeys(STEP_WAIT_COUNTERS, "int64"),
     },
     "step_params": {"fp": "uint64", "nonfinite": "bool", "algo": "int16"},
     "losses": {"value": "float64"},

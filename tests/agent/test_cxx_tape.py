@@ -239,6 +239,23 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
         hosts, ready = native.kept(r.seq, r.ready)
         ready.synchronize()
         assert native.state.keep_live == x[:, :10].numel() * 4, native.state.keep_live
+        # back-pressure (--when-full wait): past the bound a call waits for the copies in flight
+        # to land, and is kept; one larger than the bound is kept alone
+        native.state.keep_wait, native.state.keep_limit = 1, x.numel() * 4 + 1
+        waits = native.state.keep_waits
+        for _ in range(3):
+            out = torch.ops.fsdpr_cxx_tape_test.mix(x)
+        native.state.keep_limit = x.numel() * 4 - 1
+        torch.ops.fsdpr_cxx_tape_test.mix(x)
+        records = native.drain()
+        assert [r.kept for r in records] == [1] * 4, [r.kept for r in records]
+        assert native.state.keep_waits >= waits + 3 and native.state.keep_wait_ns > 0
+        for r in records:
+            hosts, ready = native.kept(r.seq, r.ready)
+            ready.synchronize()
+            assert torch.equal(hosts[0].view(out.dtype).view(out.shape), out.cpu())
+            native.rows(r.slot, r.event)
+        assert native.state.keep_dropped == dropped + 1
     finally:
         op_tape.uninstall()
     assert not native.state.failed, native.error()

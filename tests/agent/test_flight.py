@@ -125,7 +125,7 @@ def test_identical_bytes_are_held_once_and_kept_while_a_newer_step_names_them() 
     assert ring.hold(0, pending, 4, "lin64", lambda: (b"abcd", None)) != a
 
 
-def test_the_memory_bound_first_shortens_the_window_then_drops_and_counts() -> None:
+def test_the_memory_bound_first_shortens_the_window_then_restarts_it_never_leaving_a_hole() -> None:
     s = Steps(window=4, every=2, max_bytes=100)
     for step in range(3):
         s.hold(step, bytes([step]) * 30)
@@ -135,13 +135,25 @@ def test_the_memory_bound_first_shortens_the_window_then_drops_and_counts() -> N
     c = s.ring.counters()
     assert c["flight_window_shrinks"] == 1 and c["flight_held_bytes"] == 60
     assert s.ring.hold(3, _fp(b"\x04" * 30), 30, "zlib64", lambda: (b"\x04" * 30, None)) != schema.NO_BLOB
-    # now only steps 2..3 are held (90 bytes) and no later snapshot can make room: dropped
+    # now only steps 2..3 are held (90 bytes) and no later snapshot can make room: step 3 cannot
+    # be held whole, so no window through it can be replayed: everything up to it is let go
     assert s.hold(3, b"\x05" * 30) == schema.NO_BLOB
     c = s.ring.counters()
-    assert (c["flight_blobs_dropped"], c["flight_bytes_dropped"]) == (1, 30)
-    assert s.ring.take_drops() == (1, 30, 0) and s.ring.take_drops() == (0, 0, 0)
+    assert (c["flight_blobs_dropped"], c["flight_bytes_dropped"], c["flight_window_holes"]) == (1, 30, 1)
+    assert c["flight_held_bytes"] == 0 and c["flight_snapshot_bytes"] == 0
+    assert s.hold(3, b"\x06" * 5) == schema.NO_BLOB  # the rest of step 3 is not kept either
+    assert s.ring.take_drops() == (2, 35, 0) and s.ring.take_drops() == (0, 0, 0)
     dump = s.ring.take("nonfinite", "a non-finite loss at the end of step 3", at_step=3)
-    assert (dump.first_step, dump.snapshot_step, dump.dropped) == (2, 2, 1)
+    # a failure now finds no complete window: an empty step range, nothing written, the hole named
+    assert dump.first_step > dump.last_step and dump.blobs == [] and dump.snapshot is None
+    assert (dump.hole_step, dump.dropped) == (3, 2)
+    s.end(3)  # snapshot 4: the window starts afresh there
+    s.hold(4, b"\x07" * 30)
+    s.end(4)
+    s.hold(5, b"\x08" * 30)
+    dump = s.ring.take("exception", "RuntimeError: later")
+    assert (dump.first_step, dump.last_step, dump.snapshot_step, dump.hole_step) == (4, 5, 4, -1)
+    assert sorted(b.data for b in dump.blobs) == [b"\x07" * 30, b"\x08" * 30]
 
 
 def test_a_later_dump_continues_an_earlier_one_and_a_late_rng_state_is_written_with_it() -> None:
@@ -334,16 +346,21 @@ def test_evicted_payloads_give_back_their_charge_and_their_slots_still_free() ->
     assert slots.landing.reap() == 1 and slots.space.live() == 0
 
 
-def test_a_full_payload_ring_drops_the_payload_and_says_so() -> None:
+def test_a_payload_the_full_ring_could_not_take_restarts_the_window_and_says_so() -> None:
+    # (--when-full drop, or a ring that stayed full for payload_ring.WAIT_LIMIT_S: the stage
+    # found no room) the step cannot be held whole: the window restarts at the next snapshot
     slots, ring = Slots(1024), FlightRecorder(2, 1 << 20)
     ring.hold_snapshot(0, {"step": 0}, [], 8)
     assert ring.hold(0, object(), 1000, "lin64", slots.stage(b"a" * 1000)) != schema.NO_BLOB
     assert ring.hold(0, object(), 1000, "lin64", slots.stage(b"b" * 1000)) == schema.NO_BLOB
     assert ring.take_drops() == (1, 1000, 1)
     c = ring.counters()
-    assert (c["flight_blobs_dropped"], c["flight_ring_full_drops"], c["flight_held_bytes"]) == (1, 1, 1000)
-    slots.copies[0].done = True  # the copy is done: the next payload finds room
-    assert ring.hold(0, object(), 1000, "lin64", slots.stage(b"c" * 1000)) != schema.NO_BLOB
+    assert (c["flight_blobs_dropped"], c["flight_ring_full_drops"], c["flight_held_bytes"]) == (1, 1, 0)
+    slots.copies[0].done = True  # the copy is done: the ring has room again...
+    assert ring.hold(0, object(), 1000, "lin64", slots.stage(b"c" * 1000)) == schema.NO_BLOB  # ...not step 0
+    ring.hold_snapshot(1, {"step": 1}, [], 8)
+    ring.advance(1)
+    assert ring.hold(1, object(), 1000, "lin64", slots.stage(b"d" * 1000)) != schema.NO_BLOB
 
 
 def test_a_dump_taken_before_the_copies_are_done_waits_for_them(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_replay.agent.payload_ring import ALIGN, Landing, RingSpace, pinned_bytes
+from fsdp_replay.agent.payload_ring import ALIGN, Landing, RingSpace, pinned_bytes, take_waiting
 
 
 def _overlaps(live: dict[int, int]) -> list[tuple[int, int]]:
@@ -61,6 +61,49 @@ def test_a_full_ring_refuses_without_waiting_and_takes_again_once_the_oldest_is_
     ring.free(d)
     assert ring.take(2 * ALIGN) == ALIGN  # after the newest live slot (at 0): [ALIGN, 3 * ALIGN)
     assert ring.take(5 * ALIGN) is None  # larger than the ring: never fits
+
+
+class _Copy:
+    """A host copy in flight: lands when ``synchronize`` is called, or when set ``done``."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.synced = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synced += 1
+        time.sleep(0.05)  # the copy engine finishing it
+        self.done = True
+
+
+def test_a_full_ring_waits_for_the_writer_to_free_a_slot_and_counts_the_wait() -> None:
+    space, landing = RingSpace(4 * ALIGN), Landing(RingSpace(0))
+    offs = [space.take(ALIGN) for _ in range(4)]
+    assert space.take(ALIGN) is None  # full: --when-full drop refuses at once
+    waits: list[int] = []
+    writer = threading.Timer(0.3, space.free, args=(offs[0],))  # the writer writes the oldest
+    writer.start()
+    t0 = time.monotonic()
+    assert take_waiting(space, landing, ALIGN, waits.append) == offs[0]
+    assert time.monotonic() - t0 >= 0.25 and len(waits) == 1 and waits[0] >= 0.25e9
+    writer.join()
+    # nothing frees it: after the limit the payload is given up (the caller drops and warns)
+    assert take_waiting(space, landing, ALIGN, waits.append, limit_s=0.2) is None and waits[-1] >= 0.2e9
+
+
+def test_a_full_ring_waits_for_the_oldest_copy_in_flight_to_land() -> None:
+    space = RingSpace(3 * ALIGN)
+    landing = Landing(space)
+    copies = [_Copy() for _ in range(3)]
+    for c in copies:
+        landing.add(c, space.take(ALIGN))  # type: ignore[arg-type]
+    waits: list[int] = []
+    assert take_waiting(space, landing, 2 * ALIGN, waits.append) is not None
+    # the oldest two were waited for, in order, and their slots freed; the newest is in flight
+    assert [c.synced for c in copies] == [1, 1, 0] and len(landing) == 1 and waits[0] > 0
 
 
 def test_takes_and_frees_from_two_threads_keep_the_books() -> None:

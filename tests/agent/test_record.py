@@ -405,12 +405,30 @@ def test_a_full_disk_drops_payloads_first_and_keeps_every_event(tmp_path: Path, 
         assert (rt.tensors["payload"] < 0).any() and (rt.tensors["payload"] >= 0).any()
 
 
-def test_the_pending_bytes_bound_reaches_the_agent_from_the_environment(tmp_path: Path) -> None:
-    # record builds the agent's environment from its options: a variable the user set must reach
-    # the agent, not be replaced by the option's default (a 1-byte bound stores no payload at all).
-    out = tmp_path / "run"
+def test_a_full_writer_holds_the_training_back_and_drops_only_when_asked(tmp_path: Path) -> None:
+    # A 1-byte pending bound, set in the environment (record builds the agent's environment from
+    # its options: the variable must reach the agent, not be replaced by the option's default):
+    # every payload waits for the writer to take the one before it (back-pressure, the default),
+    # nothing is dropped, the waits are counted, and the rank replays BIT-EXACT. With
+    # --when-full drop the same bound stores no payload at all, and says so.
+    out = tmp_path / "wait"
     proc = run(
-        [*CLI, "record", "--out", str(out), "--", *torchrun_cmd(1, EXAMPLE, *SMALL)],
+        [*CLI, "record", "--out", str(out), "--payloads", "all", "--", *torchrun_cmd(1, EXAMPLE, *SMALL)],
+        env=child_env(FSDP_REPLAY_MAX_PENDING_BYTES="1"),
+    )
+    assert "dropped" not in proc.stderr, proc.stderr[-2000:]
+    rt = Trace.open(out / schema.TRACE_DIR).rank(0)
+    counters = rt.attrs["end"]["counters"]
+    assert counters["blobs_dropped"] == 0 and counters["blobs"] > 0
+    assert counters["payload_waits"] > 0 and counters["payload_wait_ns"] > 0, counters
+    assert (rt.tensors["payload"] >= 0).any() and len(rt.steps) == 6
+    text = run([*CLI, "inspect", str(out)]).stdout
+    assert "recording waited" in text and "for its writer" in text, text
+    replayed = run([*CLI, "replay", str(out), "--rank", "0"], check=False)
+    assert replayed.returncode == 0 and "BIT-EXACT" in replayed.stdout, replayed.stdout[-2000:]
+    out = tmp_path / "drop"
+    proc = run(
+        [*CLI, "record", "--out", str(out), "--when-full", "drop", "--", *torchrun_cmd(1, EXAMPLE, *SMALL)],
         env=child_env(FSDP_REPLAY_MAX_PENDING_BYTES="1"),
     )
     assert "payloads dropped while recording" in proc.stderr, proc.stderr[-2000:]

@@ -46,7 +46,7 @@
 extern "C" int fsdpr_sk64_many(size_t n, const uint64_t *ptrs, const uint64_t *nbytes, const int32_t *kinds,
                                uint64_t *fps, uint8_t *nfs);
 
-#define FSDPR_TAPE_ABI 5
+#define FSDPR_TAPE_ABI 6
 #define FSDPR_MAXT 4
 #define FSDPR_MAXDIM 8
 #define FSDPR_SLOT_WORDS 16  // fused.py: MAX_TENSORS rows of (S, A, B, nonfinite)
@@ -87,6 +87,12 @@ struct fsdpr_tape_state {
   int64_t host_allocs;  // blocks allocated (cuMemHostAlloc)
   int64_t host_reuses;  // kept outputs that landed in a block the pool had already
   int64_t host_bytes;   // the pool's pinned bytes, in use or free
+  // Back-pressure (--when-full wait, the default): past keep_limit a call waits for the oldest
+  // host copy in flight to land instead of not being kept.
+  int32_t keep_wait;    // 1: wait for room; 0: not kept (counted in keep_dropped)
+  int32_t pad_wait;
+  int64_t keep_waits;   // calls that waited
+  int64_t keep_wait_ns; // wall time they waited
 };
 
 struct fsdpr_tape_tensor {
@@ -202,6 +208,12 @@ at::Tensor &slab = *new at::Tensor;  // pinned rows, FSDPR_SLOT_WORDS int64 a sl
 std::vector<int32_t> free_slots;
 std::vector<CUevent> free_events;
 auto &scratch = *new std::map<std::pair<int, CUstream>, std::pair<at::Tensor, at::Tensor>>;  // (acc, count) per stream
+
+int64_t wall_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
 
 int64_t thread_ns() {
   timespec ts;
@@ -411,8 +423,10 @@ bool launch_fused(const std::vector<at::Tensor> &outs, int32_t slot, CUevent *ev
 // and from there into pinned host memory on a side stream, behind an event: the program's stream
 // runs one device-to-device copy per output and never waits for the host copy. The device copies
 // are freed by a later call once the host copies' event has completed (an event query, never a
-// wait); while more than keep_limit bytes of them are in flight, a call's outputs are not kept
-// (the record says so, and Python counts them dropped). Python takes the pinned copies at the
+// wait); while more than keep_limit bytes of them are in flight, a call waits for the oldest host
+// copy to land (keep_wait: --when-full wait, the default; counted in keep_waits, keep_wait_ns), or
+// with --when-full drop its outputs are not kept (the record says so, and Python counts them
+// dropped). Python takes the pinned copies at the
 // drain (fsdpr_tape::kept) with the event, which it releases when done with it.
 struct Landing {
   CUevent ready;
@@ -545,15 +559,30 @@ at::Tensor host_tensor(HostBlock *block, int64_t nbytes) {
 int32_t keep_outputs(int64_t seq, const std::vector<at::Tensor> &outs, int64_t *ready_out) {
   int64_t total = 0;
   for (const at::Tensor &t : outs) total += t.numel() * (int64_t)t.element_size();
-  {
-    std::lock_guard<std::mutex> g(mu);
-    reap_locked();
-    if (state.keep_live + total > state.keep_limit) {
-      state.keep_dropped++;
-      return 2;
+  int64_t waited_from = 0;
+  for (;;) {
+    CUevent oldest = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      reap_locked();
+      // room, or nothing in flight (a call larger than the bound is kept alone)
+      if (state.keep_live + total <= state.keep_limit || (state.keep_wait && landing.empty())) {
+        state.keep_live += total;  // reserved
+        break;
+      }
+      if (!state.keep_wait) {
+        state.keep_dropped++;
+        return 2;
+      }
+      oldest = landing.front().ready;  // landing holds a reference: not reused while queued
     }
-    state.keep_live += total;  // reserved
+    if (waited_from == 0) {
+      waited_from = wall_ns();
+      state.keep_waits++;
+    }
+    drv.event_sync(oldest);  // the oldest host copy lands (the program's stream is not held)
   }
+  if (waited_from != 0) state.keep_wait_ns += wall_ns() - waited_from;
   auto impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
   c10::Device device(c10::DeviceType::CUDA, (c10::DeviceIndex)fused.device);
   std::vector<at::Tensor> copies, hosts;

@@ -24,7 +24,7 @@ from fsdp_replay.agent.cxx import kernel as builder
 log = logging.getLogger(__name__)
 
 SOURCE = builder.HERE / "_tape.cpp"
-ABI = 5  # FSDPR_TAPE_ABI of the source this module is written for
+ABI = 6  # FSDPR_TAPE_ABI of the source this module is written for
 MAXT = 4
 MAXDIM = 8
 SLOT_WORDS = 16
@@ -65,6 +65,10 @@ class State(ctypes.Structure):
         ("host_allocs", ctypes.c_int64),
         ("host_reuses", ctypes.c_int64),
         ("host_bytes", ctypes.c_int64),
+        ("keep_wait", ctypes.c_int32),
+        ("pad_wait", ctypes.c_int32),
+        ("keep_waits", ctypes.c_int64),
+        ("keep_wait_ns", ctypes.c_int64),
     ]
 
 
