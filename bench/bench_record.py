@@ -315,6 +315,7 @@ def tree_bytes(path: Path) -> tuple[int, int]:
 
 # -- one run -------------------------------------------------------------------------------------
 NPROC = 2  # set from --nproc in main()
+WORKLOAD = EXAMPLE  # set from --workload in main()
 
 
 def build_command(cfg: Config, run_dir: Path, train_args: list[str]) -> list[str]:
@@ -327,7 +328,7 @@ def build_command(cfg: Config, run_dir: Path, train_args: list[str]) -> list[str
         "--nproc_per_node",
         str(NPROC),
         *([cfg.wrapper] if cfg.wrapper else []),
-        str(EXAMPLE.relative_to(REPO)),
+        str(WORKLOAD.relative_to(REPO)) if WORKLOAD.is_relative_to(REPO) else str(WORKLOAD),
         *train_args,
         *cfg.train_extra,
     ]
@@ -611,16 +612,16 @@ def agent_cpu_cell(x: dict[str, Any]) -> str:
 def render_markdown(doc: dict[str, Any]) -> str:
     s, v, m, p = doc["summary"], doc["verdict"], doc["machine"], doc["parameters"]
     lines = [
-        "# Recording overhead: `fsdp-replay record` on `examples/train_fsdp.py`",
+        f"# Recording overhead: `fsdp-replay record` on `{p.get('workload', 'examples/train_fsdp.py')}`",
         "",
         f"- Produced by: `{doc['command_line']}` (in {doc['cwd']})",
         f"- Date: {doc['date']} (took {doc['elapsed_s'] / 60:.1f} min)",
         f"- Machine: {m['nproc']} CPUs ({m['cpus_usable']} usable), {m['cpu_model']}; {m['platform']}; "
         f"Python {m['python']}, torch {m['torch']}, fsdp-replay {m['fsdp_replay']}, commit {m['git_commit']}",
         f"- Load average before / after: {doc['loadavg_before']} / {doc['loadavg_after']}",
-        f"- Workload: `torchrun --standalone --nproc_per_node {NPROC} examples/train_fsdp.py "
-        f"{' '.join(p['train_args'])}` ({NPROC} ranks, OMP_NUM_THREADS=1); model: the example's defaults "
-        f"({p['workload_model']})",
+        f"- Workload: `torchrun --standalone --nproc_per_node {NPROC} {p.get('workload', 'examples/train_fsdp.py')} "
+        f"{' '.join(p['train_args'])}` ({NPROC} ranks, OMP_NUM_THREADS=1)"
+        + (f"; model: the example's defaults ({p['workload_model']})" if p["workload_model"] else ""),
         f"- {p['steps']} steps per run, the first {p['warmup_steps']} skipped{own_warmups(s, p)}; "
         f"{p['reps']} repetitions, configurations interleaved round-robin, order rotated every repetition"
         + (" (QUICK smoke run: too few steps and repetitions to be trustworthy)" if p["quick"] else "")
@@ -763,6 +764,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="extra flags for examples/train_fsdp.py, written with '=': --train-args='--d-model 256' (default: the example's defaults)",
     )
+    p.add_argument(
+        "--workload",
+        default=str(EXAMPLE.relative_to(REPO)),
+        help="the training script every configuration runs (default: the example); it must print rank 0's "
+        "'step N loss X lr Y' line after each step, as examples/train_fsdp.py and tests/workloads/gpt2_job.py do",
+    )
     p.add_argument("--workdir", default=None, help="where runs are recorded (default: a temporary folder)")
     p.add_argument(
         "--keep", action="store_true", help="keep every run's folder (default: delete after measuring)"
@@ -797,7 +804,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: {sorted(wanted & CUDA_ONLY)} measure CUDA capture: use --device cuda", file=sys.stderr)
         return 2
     configs = [c for c in CONFIGS if c.name in wanted]
-    global NPROC
+    global NPROC, WORKLOAD
+    WORKLOAD = (REPO / args.workload).resolve()
+    if not WORKLOAD.is_file():
+        print(f"bench: no workload {args.workload}", file=sys.stderr)
+        return 2
     NPROC = args.nproc
     device_args = ["--cpu"] if args.device == "cpu" else []
     train_args = [*device_args, "--steps", str(steps), *shlex.split(args.train_args)]
@@ -916,7 +927,8 @@ def write_results(
     partial write (``reps_done < reps``) says so, and the next one replaces it."""
     names = [c.name for c in configs]
     summary = summarize(results, names)
-    defaults = example_defaults()
+    example = EXAMPLE.resolve() == WORKLOAD
+    defaults = example_defaults() if example else {}
     model_keys = ("d_model", "layers", "heads", "seq_len", "batch_size", "grad_accum", "vocab", "workers")
     workload_model = ", ".join(f"{k}={defaults[k]}" for k in model_keys if k in defaults)
     doc: dict[str, Any] = {
@@ -935,6 +947,7 @@ def write_results(
             "reps": reps,
             "reps_done": reps_done,
             "configs": {c.name: list(c.record_args) if c.record_args is not None else None for c in configs},
+            "workload": str(WORKLOAD.relative_to(REPO)) if WORKLOAD.is_relative_to(REPO) else str(WORKLOAD),
             "train_args": train_args,
             "workload_model": workload_model + (f"; plus {args.train_args}" if args.train_args else ""),
             "example_defaults": defaults,

@@ -92,6 +92,7 @@ class Config:
     stall_at_step: int | None = None
     stall_rank: int = 0
     stall_s: float = 3600.0
+    clamp_from_step: int | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -218,6 +219,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
     )
     f.add_argument(
         "--stall-s", type=float, default=d.stall_s, metavar="SECONDS", help="how long --stall-at-step sleeps"
+    )
+    f.add_argument(
+        "--clamp-from-step",
+        type=int,
+        default=d.clamp_from_step,
+        metavar="N",
+        help="from step N on, clamp every parameter to [-0.05, 0.05] in place right after optimizer.step() "
+        "(a program that changes its state outside the optimizer, as weight constraints do)",
     )
     return Config(**vars(p.parse_args(argv)))
 
@@ -521,6 +530,10 @@ def train(cfg: Config) -> None:
                 torch.nn.utils.clip_grad_norm_(model_w.parameters(), cfg.clip)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
+        if cfg.clamp_from_step is not None and step >= cfg.clamp_from_step:
+            with torch.no_grad():
+                for p in model_w.parameters():
+                    p.clamp_(-0.05, 0.05)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 

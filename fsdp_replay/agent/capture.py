@@ -353,11 +353,14 @@ def snapshot_state(
     roots: list[torch.nn.Module],
     names: dict[int, str],
     step: int,
-    tensor: Callable[[torch.Tensor], torch.Tensor] = host_copy,
+    tensor: Callable[[torch.Tensor], Any] = host_copy,
+    buffer_tensor: Callable[[torch.Tensor], Any] | None = None,
 ) -> dict[str, Any]:
     """CPU copies of this rank's state at a step boundary (training thread: copies only), each
-    tensor's made by ``tensor`` (a copy complete on return unless it says otherwise)."""
+    tensor's made by ``tensor`` (a copy complete on return unless it says otherwise), the
+    modules' buffers' by ``buffer_tensor`` where given."""
     copy = functools.partial(_copy, tensor=tensor)
+    copy_buffer = copy if buffer_tensor is None else functools.partial(_copy, tensor=buffer_tensor)
     opts = []
     for opt in optimizers:
         params = optimizer_params(opt)
@@ -378,7 +381,7 @@ def snapshot_state(
     buffers = {}
     for i, root in enumerate(roots):
         for name, buf in root.named_buffers():
-            buffers[f"{i}.{name}"] = copy(buf)
+            buffers[f"{i}.{name}"] = copy_buffer(buf)
     return {"format": 1, "step": step, "optimizers": opts, "buffers": buffers}
 
 

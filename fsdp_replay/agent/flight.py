@@ -153,6 +153,12 @@ class HeldSnapshot:
     nbytes: int
     ready: list[Any]  # events after which its device copies are complete (``snapshots.DeviceCopies``)
     written: bool = False
+    release: Callable[[], None] | None = None  # lets its pinned slab go (``snapshots.SnapshotArena``)
+
+    def let_go(self) -> None:
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
 
 @dataclass(slots=True)
@@ -275,15 +281,24 @@ class FlightRecorder:
         return blob_id, fill
 
     def hold_snapshot(
-        self, step: int, state: Any, metas: list[list[Any]], nbytes: int, ready: list[Any] | None = None
+        self,
+        step: int,
+        state: Any,
+        metas: list[list[Any]],
+        nbytes: int,
+        ready: list[Any] | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         with self._lock:
             old = self._snapshots.pop(step, None)
             if old is not None:
                 self.snapshot_bytes -= old.nbytes
+                old.let_go()
             if step <= self.hole:  # the state at a step that cannot be replayed from memory
+                if release is not None:
+                    release()
                 return
-            self._snapshots[step] = HeldSnapshot(step, state, metas, nbytes, ready or [])
+            self._snapshots[step] = HeldSnapshot(step, state, metas, nbytes, ready or [], release=release)
             self.snapshot_bytes += nbytes
 
     def advance(self, step: int) -> None:
@@ -327,9 +342,9 @@ class FlightRecorder:
                 snap = self._snapshots[start]
                 if not snap.written:  # handed over; the ring keeps its step only
                     write = HeldSnapshot(
-                        snap.step, snap.state, snap.metas, snap.nbytes, snap.ready, written=True
+                        snap.step, snap.state, snap.metas, snap.nbytes, snap.ready, True, snap.release
                     )
-                    snap.state, snap.ready, snap.written = None, [], True
+                    snap.state, snap.ready, snap.written, snap.release = None, [], True, None
                     self.snapshot_bytes -= snap.nbytes
                     snap.nbytes = 0
             self._dumped = (first, self.current, snap_step)
@@ -378,7 +393,9 @@ class FlightRecorder:
         self.holes += 1
         self._evict_before(step + 1)
         for s in [s for s in self._snapshots if s <= step]:
-            self.snapshot_bytes -= self._snapshots.pop(s).nbytes
+            old = self._snapshots.pop(s)
+            self.snapshot_bytes -= old.nbytes
+            old.let_go()
         return self._drop(step, nbytes, ring_full)
 
     @contextlib.contextmanager
@@ -410,7 +427,9 @@ class FlightRecorder:
                     if held.key is not None and self._keys.get(held.key) == blob_id:
                         del self._keys[held.key]
         for step in [s for s in self._snapshots if s < start]:
-            self.snapshot_bytes -= self._snapshots.pop(step).nbytes
+            old = self._snapshots.pop(step)
+            self.snapshot_bytes -= old.nbytes
+            old.let_go()
         for step in [s for s in self._dropped_in if s < start]:
             del self._dropped_in[step]
 

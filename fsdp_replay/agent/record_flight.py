@@ -135,7 +135,11 @@ class FlightDumps:
     def items(dump: Dump, t_ns: int) -> list[tuple[str, Any]]:
         """The writer items of a dump (writer thread): snapshot, payloads, then the event."""
         snap = dump.snapshot
-        out = snapshot_items(snap.step, snap.state, snap.metas, snap.ready) if snap is not None else []
+        out = (
+            snapshot_items(snap.step, snap.state, snap.metas, snap.ready, snap.let_go)
+            if snap is not None
+            else []
+        )
         nbytes = sum(len(item[1][1]) for item in out if item[0] == "payload")
         blobs = 0
         for held in dump.blobs:

@@ -303,6 +303,7 @@ class Recorder:
 
     def _counters(self, w: BackgroundWriter, agent_cpu: int) -> dict[str, int]:
         out = counters(self.state, w, agent_cpu, agent_cpu - self.state.cpu_ns)
+        out.update(self.states.counters())
         if self.flight is not None:
             out.update(self.flight.ring.counters())
         if self.tape is not None:
@@ -336,6 +337,10 @@ class Recorder:
             return
         self.finished = True
         self.gpu_activity.finish()  # first: what the agent does from here on is not traced
+        try:  # a snapshot in flight: handed over if its copies are done, before a dump takes it
+            self.states.settle(w, final=True)
+        except Exception as e:
+            self.fail("snapshot at the end", e)
         if self.flight is not None:  # a failure: the flight recorder's window goes to the writer
             try:  # before a wait below can block (a peer gone): what is held is the steps before
                 dying_of = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
@@ -402,6 +407,11 @@ class Recorder:
 
     def on_step_begin(self, opt: torch.optim.Optimizer) -> None:
         self._watch_memory()
+        if self.primary is not None and self.primary() is opt and self.state.writer is not None:
+            # before the state changes: the last boundary's snapshot copies are done (on the
+            # device), and the program changed nothing in place since (snapshots.py)
+            self.states.probe_check()
+            self.states.settle(self.state.writer)
         if self.primary is None:
             self.primary = weakref.ref(opt)
             self._ensure_started()
@@ -458,6 +468,7 @@ class Recorder:
         self.states.write_rng(w, step, capture.rng_state())
         if self.config.snapshot_step(step):
             self._snapshot(opt)
+        self.states.probe_start(opt)
         if self.flight is not None:
             self.flight.ring.advance(step)
         self._watch_memory()

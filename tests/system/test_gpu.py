@@ -288,6 +288,10 @@ def test_replay_from_a_late_snapshot_skips_the_model_on_the_gpu(tmp_path: Path) 
         ],
         env=child_env(),
     )
+    counters = Trace.open(out / schema.TRACE_DIR).rank(0).attrs["end"]["counters"]
+    # the snapshots of steps 10 and 20 were copied off the training stream (step 0's on it)
+    assert (counters["snapshots_sync_copied"], counters["snapshots_torn"]) == (1, 0), counters
+    assert counters["snapshot_pinned_bytes"] > 0, counters
     times = {}
     for warm in ("2", "20"):
         counts = tmp_path / f"counts-{warm}.jsonl"
@@ -383,3 +387,38 @@ def test_a_nan_on_the_gpu_dumps_the_window_through_the_payload_ring_and_it_repla
     code, text, doc = _replay(out, 1, "--from-step", "4", "--to-step", "9")
     assert code == 0 and doc["status"] == "bit-exact", text
     assert doc["verified_steps"] == list(range(4, 10)), text
+    assert counters["snapshots_torn"] == 0 and counters["snapshots_sync_copied"] == 1, counters
+
+
+def test_snapshots_are_copied_off_the_training_stream_and_a_torn_one_is_left_out(tmp_path: Path) -> None:
+    """A snapshot after step 1 is copied into pinned memory on a side stream while the next step
+    runs, and settled at the next optimizer.step(). A program that clamps its parameters in place
+    right after optimizer.step() from step 5 on changes the state the step-8 snapshot was copying:
+    that snapshot is left out (counted, said), the later ones are copied on the program's stream,
+    and replays from the step-4 snapshot (copied off the stream) and across the missing one are
+    BIT-EXACT."""
+    out = tmp_path / "torn"
+    args = ("--steps", "12", "--layers", "2", "--d-model", "128", "--seq-len", "64", "--clamp-from-step", "5")
+    proc = run(
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(out),
+            "--payloads",
+            "all",
+            "--snapshot-every",
+            "4",
+            "--",
+            *torchrun_cmd(1, EXAMPLE, *args),
+        ],
+        env=child_env(),
+    )
+    assert "changed its parameters or optimizer state in place" in proc.stderr, proc.stderr[-3000:]
+    rt = Trace.open(out / schema.TRACE_DIR).rank(0)
+    counters = rt.attrs["end"]["counters"]
+    assert (counters["snapshots_torn"], counters["snapshots_sync_copied"]) == (1, 2), counters
+    assert [sn["step"] for sn in rt.attrs["snapshots"]] == [0, 4, 12]
+    for first in ("4", "9"):  # 9: from the step-4 snapshot, the step-8 one being left out
+        code, text, doc = _replay(out, 0, "--from-step", first)
+        assert code == 0 and doc["status"] == "bit-exact", text
