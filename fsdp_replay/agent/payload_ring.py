@@ -196,6 +196,8 @@ def take_waiting(
     t0 = time.monotonic_ns()
     deadline = time.monotonic() + limit_s
     off = space.take(nbytes)
+    if off is not None:
+        return off
     while off is None and time.monotonic() < deadline:
         if not landing.wait_oldest():
             space.wait_freed(min(0.05, max(0.0, deadline - time.monotonic())))

@@ -224,14 +224,14 @@ class AsyncCopies:
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.versions: list[int] = []
+        self.watched: list[tuple[torch.Tensor, int]] = []  # (tensor, its version at the boundary)
 
     def __call__(self, t: torch.Tensor) -> Any:
-        t = capture.local(t).detach()
-        if t.device.type != "cuda":
-            return capture.host_copy(t)
-        self.tensors.append(t)
-        self.versions.append(t._version)
+        local = capture.local(t).detach()
+        if local.device.type != "cuda":
+            return capture.host_copy(local)
+        self.tensors.append(local)
+        self.watched += versions(t)
         return _Slot(len(self.tensors) - 1)
 
     def layout(self) -> tuple[list[int], int]:
@@ -274,7 +274,18 @@ class AsyncCopies:
 
     def unchanged(self) -> bool:
         """Whether no copied tensor was changed in place since the boundary."""
-        return all(t._version == v for t, v in zip(self.tensors, self.versions, strict=True))
+        return all(t._version == v for t, v in self.watched)
+
+
+def versions(t: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """What an in-place change of ``t`` bumps: its version counter, and for a DTensor also its
+    local tensor's (an in-place op through the DTensor bumps the wrapper's counter only, one on
+    the local tensor only the local's)."""
+    local = capture.local(t)
+    out = [(t, t._version)]
+    if local is not t:
+        out.append((local, local._version))
+    return out
 
 
 _SIDE: dict[torch.device, Any] = {}
@@ -435,9 +446,14 @@ class StateRecorder:
 
     def _slab(self, nbytes: int) -> Slab | None:
         if self.arena is None:
-            # a window holds two snapshots (three with the late non-finite check's lag) and takes
-            # the next: four; otherwise the writer has one while the next is taken: two
-            self.arena = SnapshotArena(4 if self.flight is not None else 2)
+            # a window holds the snapshots from the newest at or before its start (its N steps and
+            # the late non-finite check's lag back) to now, and takes the next; otherwise the
+            # writer has one while the next is taken: two
+            slabs = 2
+            if self.flight is not None:
+                every = max(1, self.config.snapshot_interval)
+                slabs = (self.config.payloads.window + max(self.flight.lag, 2)) // every + 3
+            self.arena = SnapshotArena(slabs)
         wait = 0.0 if self.flight is not None or self.config.when_full != "wait" else WAIT_LIMIT_S
         t0 = time.monotonic_ns()
         slab = self.arena.take(nbytes, wait)
@@ -509,8 +525,7 @@ class StateRecorder:
         tensors = capture.optimizer_params(opt) + [
             v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
         ]
-        local = [capture.local(t) for t in tensors]
-        self._probe = [(t, t._version) for t in local if t.device.type == "cuda"]
+        self._probe = [w for t in tensors if capture.local(t).device.type == "cuda" for w in versions(t)]
 
     def probe_check(self) -> None:
         """At the next ``optimizer.step()``: clean if none of them changed in between."""

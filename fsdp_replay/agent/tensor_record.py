@@ -104,9 +104,7 @@ class TensorRecorder:
         ``WAIT_LIMIT_S``."""
         if not self.wait:
             return False
-        t0 = time.monotonic_ns()
         ok = w.wait_room(nbytes, self.max_pending_bytes, WAIT_LIMIT_S)
-        w.waited(time.monotonic_ns() - t0)
         if not ok and not self._stuck_warned:
             self._stuck_warned = True
             log.warning(

@@ -149,15 +149,20 @@ class BackgroundWriter:
     def wait_room(self, nbytes: int, limit: int, timeout: float) -> bool:
         """Wait (training thread) until ``nbytes`` more pending payload bytes stay within ``limit``
         (or nothing is pending: a payload larger than the bound goes alone), the disk has filled
-        (the writer then drops payloads itself), or the writer has stopped. False: still no room
-        after ``timeout`` seconds (the writer is stuck)."""
+        (the writer then drops payloads itself), or the writer has stopped; a wait is counted.
+        False: still no room after ``timeout`` seconds (the writer is stuck)."""
+        t0 = time.monotonic_ns()
         deadline = time.monotonic() + timeout
+        waited = False
         with self._room:
             while self.pending_bytes > 0 and self.pending_bytes + nbytes > limit:
                 left = deadline - time.monotonic()
                 if self.payloads_off or not self._thread.is_alive() or left <= 0:
                     break
+                waited = True
                 self._room.wait(min(left, POLL_S))
+            if waited:
+                self.waited(time.monotonic_ns() - t0)
             return (
                 self.pending_bytes == 0
                 or self.pending_bytes + nbytes <= limit

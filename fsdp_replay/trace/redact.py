@@ -252,15 +252,20 @@ def clear_cache() -> None:
     _scrub_cached.cache_clear()
 
 
-def scrub_doc(doc: Any, key: str = "") -> Any:
+OWN_DIGEST_KEYS = frozenset({"expected_fp", "actual_fp"})
+"""Keys whose values are this tool's own fingerprints (hex text in a replay report): never a
+credential, and read as one by an entropy rule, so ``scrub_doc`` keeps them."""
+
+
+def scrub_doc(doc: Any, key: str = "", keep: frozenset[str] = OWN_DIGEST_KEYS) -> Any:
     """A JSON-like document (dicts, lists, strings) with ``scrub_text`` applied to every string
-    value; keys, numbers and other values are kept."""
+    value but those under a ``keep`` key; keys, numbers and other values are kept."""
     if isinstance(doc, str):
         return scrub_text(doc, key)
     if isinstance(doc, dict):
-        return {k: scrub_doc(v, key) for k, v in doc.items()}
+        return {k: v if k in keep else scrub_doc(v, key, keep) for k, v in doc.items()}
     if isinstance(doc, list):
-        return [scrub_doc(v, key) for v in doc]
+        return [scrub_doc(v, key, keep) for v in doc]
     if type(doc) is tuple:
-        return tuple(scrub_doc(v, key) for v in doc)
+        return tuple(scrub_doc(v, key, keep) for v in doc)
     return doc

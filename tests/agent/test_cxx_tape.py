@@ -227,6 +227,7 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
             got = hosts[0].view(want.dtype).view(want.shape)
             assert torch.equal(got, want.cpu())
             native.rows(r.slot, r.event)  # frees the fingerprint's slot, as the writer does
+        native.state.keep_wait = 0  # --when-full drop: past the bound a call is not kept
         native.state.keep_limit = x.numel() * 4 - 1  # less than one output: not kept, said so
         torch.ops.fsdpr_cxx_tape_test.mix(x)
         (r,) = native.drain()

@@ -95,15 +95,29 @@ def test_a_nan_under_the_flight_recorder_is_written_named_and_replays_bit_exact(
 
 def test_a_bit_flip_on_one_rank_is_found_at_its_step_by_replaying_that_rank(tmp_path: Path) -> None:
     # two ranks on the one GPU over gloo; rank 1's gradient has one bit flipped at step 5, in the
-    # recorded run only (as a flaky GPU would): rank 1's replay computes the step without it
+    # recorded run only (as a flaky GPU would; the switch file stands for the GPU): rank 1's
+    # replay computes the step without it
     out = tmp_path / "flip"
+    switch = tmp_path / "flaky-gpu"
+    switch.write_text("flip")
     _record(
         out,
         ("--payloads", "all", "--snapshot-every", "4"),
         2,
-        *("--steps", "8", "--one-gpu", "--flip-at-step", "5", "--flip-rank", "1"),
+        *(
+            "--steps",
+            "8",
+            "--one-gpu",
+            "--flip-at-step",
+            "5",
+            "--flip-rank",
+            "1",
+            "--flip-switch",
+            str(switch),
+        ),
     )
     _no_drops(out, 2)
+    switch.write_text("healthy")
     code, text, doc = _replay(out, 1, "--from-step", "4")
     assert code == 1 and doc["status"] == "diverged", text
     assert doc["first_divergence"]["step"] == 5, json.dumps(doc["first_divergence"])[:2000]

@@ -232,3 +232,15 @@ def test_detect_secrets_leaves_the_process_as_it_found_it() -> None:
     assert proc.returncode == 0, proc.stderr
     took, version = proc.stdout.split()
     assert version.startswith("1.") and float(took) < 5
+
+
+def test_a_reports_own_fingerprints_are_kept_where_a_credential_beside_them_is_not() -> None:
+    # a replay report's divergence names the recorded and replayed fingerprints as 16 hex digits:
+    # an entropy rule reads them as a credential, but they are this tool's own digests
+    doc = {
+        "first_divergence": {"expected_fp": "6cf7e7c138eaafb3", "actual_fp": "afce7bb138ef22c1"},
+        "notes": ["token AKIAIOSFODNN7EXAMPLE in a note"],
+    }
+    out = redact.scrub_doc(doc)
+    assert out["first_divergence"] == doc["first_divergence"]
+    assert "AKIAIOSFODNN7EXAMPLE" not in out["notes"][0]

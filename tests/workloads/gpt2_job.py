@@ -13,9 +13,10 @@ Sizes: ``--size 124m`` (d 768, 6 layers, seq 512) and ``--size 350m`` (d 1536, 1
 CPU (no CUDA, or ``--cpu``) it runs the same code over gloo in fp32 (tiny sizes only).
 
 Faults, for tests: ``--nan-at-step S --nan-rank R`` makes rank R's loss non-finite at step S;
-``--flip-at-step S --flip-rank R`` flips one bit of one gradient element on rank R at step S,
-after the backward and before the optimizer, once, and only while the job is recorded
-(``FSDP_REPLAY_MODE=record``): what a flaky GPU does to one run and never to its replay.
+``--flip-at-step S --flip-rank R --flip-switch FILE`` flips one bit of one gradient element on
+rank R at step S, after the backward and before the optimizer, if FILE then reads ``flip``: the
+test writes ``flip`` there for the recorded run and something else before the replay (a replay
+reads a file as it is now), so the fault strikes the recorded run only, as a flaky GPU would.
 
 Rank 0 prints ``step N loss X lr Y`` after each step (the benchmarks time those lines).
 """
@@ -78,6 +79,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--nan-rank", type=int, default=0)
     p.add_argument("--flip-at-step", type=int, default=None)
     p.add_argument("--flip-rank", type=int, default=0)
+    p.add_argument("--flip-switch", default="", help="the flip happens only if this file reads 'flip'")
     p.add_argument("--save-params", default="", help="write the local shards here ({rank} replaced)")
     args = p.parse_args()
     for k, v in SIZES[args.size].items():
@@ -87,15 +89,28 @@ def parse() -> argparse.Namespace:
 
 
 def flip_one_bit(model: torch.nn.Module) -> None:
-    """Flip the lowest mantissa bit of the first element of the first gradient (in place)."""
+    """Flip one mantissa bit (bit 20: the value changes by about 1/8) of this rank's largest
+    gradient element, in place."""
+    best = None
     for p in model.parameters():
-        if p.grad is not None:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            flat = g.view(-1)
-            if flat.numel() and flat.dtype == torch.float32:
-                bits = flat[:1].view(torch.int32)
-                bits ^= 1
-                return
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if g.numel() and g.dtype == torch.float32 and g.is_contiguous():
+            i = int(g.abs().view(-1).argmax())
+            if best is None or abs(float(g.view(-1)[i])) > abs(float(best[0].view(-1)[best[1]])):
+                best = (g, i)
+    if best is not None:
+        bits = best[0].view(-1)[best[1] : best[1] + 1].view(torch.int32)
+        bits ^= 1 << 20
+
+
+def switched_on(path: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read().strip() == "flip"
+    except OSError:
+        return False
 
 
 def main() -> None:
@@ -147,7 +162,6 @@ def main() -> None:
         pin_memory=cuda,
         persistent_workers=args.workers > 0,
     )
-    recorded = os.environ.get("FSDP_REPLAY_MODE") == "record"
     step, micro, epoch = 0, 0, 0
     loss_sum = torch.zeros((), device=device)
     while step < args.steps:
@@ -165,7 +179,7 @@ def main() -> None:
             micro += 1
             if not last:
                 continue
-            if step == args.flip_at_step and rank == args.flip_rank and recorded:
+            if step == args.flip_at_step and rank == args.flip_rank and switched_on(args.flip_switch):
                 flip_one_bit(model)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
             opt.step()
