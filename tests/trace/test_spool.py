@@ -356,3 +356,27 @@ def test_append_many_on_a_full_disk_writes_none_of_the_batch(tiny_fs: Path) -> N
     w.close()
     report = spool.SegmentReport()
     assert [r.obj for r in spool.read_rank(folder, report)] == [{"type": "kept"}] and report.damage == []
+
+
+def test_large_blobs_carry_a_crc32c_small_records_zlibs_and_both_are_checked(tmp_path: Path) -> None:
+    # the writer's CRC for a large payload is CRC-32C where google_crc32c runs in hardware (flag
+    # bit 0): a reader checks each record by its own flag, and a flipped byte fails either way
+    if spool._CRC32C is None:
+        pytest.skip("google_crc32c's C implementation is not installed here")
+    w = spool.SpoolWriter(tmp_path / "rank-00000", 0)
+    big, small = bytes(range(256)) * 1024, b"x" * 100
+    w.append(schema.KIND_BLOB, {"blob": 0, "nbytes": len(big)}, big)
+    w.append(schema.KIND_BLOB, {"blob": 1, "nbytes": len(small)}, small)
+    w.close()
+    seg = next((tmp_path / "rank-00000").glob("seg-*"))
+    data = seg.read_bytes()
+    flags = [data[i + 3] for i in range(len(data) - 1) if data[i : i + 2] == b"\xd4\xf5"][:2]
+    assert flags == [spool.FLAG_CRC32C, 0], flags
+    records = list(spool.read_rank(tmp_path / "rank-00000"))
+    assert [bytes(r.raw) for r in records] == [big, small]
+    at = data.index(big[:64]) + 1000  # one byte of the large payload flipped on the disk
+    seg.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
+    report = spool.SegmentReport()
+    records = list(spool.read_rank(tmp_path / "rank-00000", report))
+    assert [bytes(r.raw) for r in records] == [small] and report.damage, report.damage
+    assert "checksum mismatch" in str(report.damage[0])
