@@ -251,7 +251,7 @@ def test_kept_cuda_outputs_land_in_pinned_memory_as_they_were_at_the_call(
         torch.ops.fsdpr_cxx_tape_test.mix(x)
         records = native.drain()
         assert [r.kept for r in records] == [1] * 4, [r.kept for r in records]
-        assert native.state.keep_waits >= waits + 2 and native.state.keep_wait_ns > 0
+        assert native.state.keep_waits >= waits + 1 and native.state.keep_wait_ns > 0
         for r in records:
             hosts, ready = native.kept(r.seq, r.ready)
             ready.synchronize()
