@@ -173,8 +173,10 @@ PROCESS_SWITCHES = {
     "the native reader (agent/cupti/native.py; the same rows, more Python per record)",
     "FSDP_REPLAY_SM_COPY": "1 makes the device-to-device copies of payloads on the program's stream (the payload "
     "ring's slot copy, the tape's C++ hook's kept outputs) an elementwise kernel on the SMs instead of a "
-    "memcpy, which may queue on a copy engine behind the side stream's host copies; off by default (on the H200 "
-    "in session 18 no resolved difference: the flight recorder's cost is on the CPU)",
+    "memcpy, which may queue on a copy engine behind the side stream's host copies; off by default (on an H200 "
+    "no resolved difference: the flight recorder's cost is on the CPU)",
+    "FSDP_REPLAY_SNAPSHOT_ASYNC": "0 copies snapshots on the program's stream (pinned per tensor) instead of into "
+    "a pinned slab on a side stream settled at the next optimizer.step() (agent/snapshots.py)",
     "FSDP_REPLAY_CUPTI_DETACH": "0 keeps CUPTI attached after each capture window; by default it is finalized "
     "(cuptiFinalize) so that the steps between windows do not pass every CUDA call through it",
 }

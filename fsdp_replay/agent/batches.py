@@ -78,7 +78,7 @@ class BatchRecorder:
             "index": slot[1],
             "loader": slot[0],
             "structure": structure,
-            "tensors": [self.tensors.record("", t, st.payload_now) for t in leaves],
+            "tensors": [self.tensors.record("", t, st.payload_now, kind="batches") for t in leaves],
         }
         after = _rng_now()
         if self._rng_before is not None and not _same_rng(self._rng_before, after):

@@ -108,7 +108,9 @@ class TapeRecorder:
                 "step": step,
                 "micro": micro,
                 "op": name,
-                "tensors": [record("o", t, store, fp, small) for t, fp in zip(outs, fps, strict=True)],
+                "tensors": [
+                    record("o", t, store, fp, small, kind="tape") for t, fp in zip(outs, fps, strict=True)
+                ],
             }
         )
         if self.native is not None and not self._cuda_tried and outs and outs[0].is_cuda:

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_replay.agent import capture, numerics
+from fsdp_replay.agent import budget, capture, numerics
 from fsdp_replay.agent.batches import BatchRecorder
+from fsdp_replay.agent.budget import StepCost
 from fsdp_replay.agent.compiled import CompiledWatch
 from fsdp_replay.agent.config import Fault, RecordConfig
 from fsdp_replay.agent.counters import AgentState, counters
@@ -108,6 +109,8 @@ class Recorder:
         self.names: dict[int, str] = {}
         self.initial_rng = capture.rng_state()
         self.finished = False
+        self._budget_at: tuple[int, int, dict[str, int]] | None = None  # (t_ns, stored) at the last step end
+        self._budget_said = False
         self.closed = False  # finish() has written everything
         self._deferred_term = 0  # a SIGTERM that came while finish() wrote the trace
         self._lock = threading.Lock()
@@ -304,6 +307,7 @@ class Recorder:
     def _counters(self, w: BackgroundWriter, agent_cpu: int) -> dict[str, int]:
         out = counters(self.state, w, agent_cpu, agent_cpu - self.state.cpu_ns)
         out.update(self.states.counters())
+        out.update({f"stored_{kind}_bytes": n for kind, n in self.tensors.stored.items()})
         if self.flight is not None:
             out.update(self.flight.ring.counters())
         if self.tape is not None:
@@ -449,6 +453,7 @@ class Recorder:
         if self.memory is not None:  # after the step's own fingerprints: their memory is the step's
             self.memory.step_end(st.pos.step, self.micro_ends)
         self.micro_ends = []
+        self._say_budget(w)
         self._write_files(w)
         if (flags := self.flag_watch.changed()) is not None:
             w.event({"type": schema.EV_NUMERICS, "step": st.pos.step, "flags": flags})
@@ -476,6 +481,30 @@ class Recorder:
             self._sync_step(w, opt)
         self.gpu_activity.step_end(w, opt)  # arms or disarms CUPTI for the step that begins
         self.tape_recorder.sync_native()  # the step that begins: whether C++ records its taped calls
+
+    def _say_budget(self, w: BackgroundWriter) -> None:
+        """Once, rank 0, at the end of the first step from step 2 on that stored payloads: what a
+        step stores and whether its writer keeps up (``budget.py``)."""
+        now = (self.state.t_ns(), sum(self.tensors.stored.values()), dict(self.tensors.stored))
+        before, self._budget_at = self._budget_at, now
+        if self._budget_said or before is None or self.state.pos.step < 2 or self.rank not in (0, -1):
+            return
+        stored = {k: now[2][k] - before[2][k] for k in now[2]}
+        if sum(stored.values()) <= 0:
+            return
+        self._budget_said = True
+        c = w.counters
+        cost = StepCost(
+            stored,
+            (now[0] - before[0]) / 1e9,
+            c.blob_bytes / (c.blob_write_ns / 1e9) if c.blob_bytes > 0 and c.blob_write_ns > 0 else None,
+            self.states.last_bytes,
+            self.config.snapshot_interval,
+        )
+        bound = self.window_bound[0] if self.window_bound else 0
+        line = budget.report(cost, str(self.config.payloads), bound)
+        if line is not None:
+            log.warning("%s", line)
 
     def _sync_step(self, w: BackgroundWriter, opt: torch.optim.Optimizer) -> None:
         """Crash consistency: a finished step's records reach the disk before the next step ends.

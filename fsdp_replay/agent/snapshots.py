@@ -351,6 +351,7 @@ class StateRecorder:
         self.arena: SnapshotArena | None = None  # made at the first device snapshot taken so
         self.pending: InFlight | None = None
         self.torn = 0  # snapshots whose state the program changed while they were copied
+        self.last_bytes = 0  # the tensor bytes of the last snapshot taken
         self.sync_copies = 0  # device snapshots copied on the program's stream
         # The probe: each optimizer tensor's version at a step's end, compared at the next
         # optimizer.step(); None until taken, True once a step passed with none changed.
@@ -480,8 +481,9 @@ class StateRecorder:
         release: Any,
     ) -> None:
         self.state.snapshots += 1
+        self.last_bytes = _tensor_bytes(state)
         if self.flight is not None:
-            self.flight.hold_snapshot(step, state, metas, _tensor_bytes(state), ready, release)
+            self.flight.hold_snapshot(step, state, metas, self.last_bytes, ready, release)
         else:
             w.call(lambda: snapshot_items(step, state, metas, ready, release))
 

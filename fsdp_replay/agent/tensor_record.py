@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 
 from fsdp_replay.agent import capture
+from fsdp_replay.agent.budget import KINDS
 from fsdp_replay.agent.config import RecordConfig
 from fsdp_replay.agent.counters import AgentState
 from fsdp_replay.agent.fingerprint import fingerprint, nbytes_of
@@ -76,6 +77,7 @@ class TensorRecorder:
         # not with `none` (the user keeps no bytes) nor a window (a healthy run writes none)
         self.small_always = not config.payloads.empty and not config.payloads.window
         self.rings = PayloadRings(config.payload_ring_bytes)
+        self.stored = dict.fromkeys(KINDS, 0)  # payload bytes kept (stored or held) by kind, so far
 
     def _stage(
         self, t: torch.Tensor, nbytes: int, own: bool = False
@@ -153,6 +155,7 @@ class TensorRecorder:
         size; ``host`` None: the hook could not keep it (its bound of device copies in flight, or no
         memory), dropped and counted as a full ring."""
         assert self.flight is not None and self.state.writer is not None
+        self.stored["tape"] += nbytes
         made = None if host is None else (host, ready)
         blob = self.flight.hold(step, None, nbytes, schema.FP_LIN64, lambda: made, pinned_bytes(nbytes))
         return self._counted(self.state.writer, blob, nbytes, ring_full=host is None, landed=True)
@@ -171,9 +174,11 @@ class TensorRecorder:
         store: bool,
         known: tuple[int, bool, str] | None = None,
         small: bool = True,
+        kind: str = "collectives",
     ) -> Tensor:
         """A tensor's entry; fingerprinted here unless its (fingerprint, nonfinite, algo) is ``known``;
-        ``small``: a small tensor keeps its bytes whatever ``store`` (TINY/SMALL_PAYLOAD_BYTES)."""
+        ``small``: a small tensor keeps its bytes whatever ``store`` (TINY/SMALL_PAYLOAD_BYTES);
+        ``kind``: what it is (``budget.KINDS``), for the bytes a step stores."""
         w = self.state.writer
         assert w is not None
         t = capture.local(t)
@@ -184,6 +189,7 @@ class TensorRecorder:
         if store:
             t0 = time.thread_time_ns()
             nbytes = nbytes_of(t)
+            self.stored[kind] += nbytes
             if self.flight is not None:
                 blob = self._hold(w, t, fp, nbytes, algo)
             elif w.pending_bytes + nbytes > self.max_pending_bytes and not self._room(w, nbytes):
