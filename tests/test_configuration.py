@@ -166,3 +166,18 @@ def test_record_takes_its_command_with_or_without_dashes(
         assert json.loads((out / "run.json").read_text())["command"] == command, name
     assert main(["record", "--out", str(tmp_path / "none")]) == 2
     assert "nothing to record" in capsys.readouterr().err
+
+
+def test_auto_payloads_follow_the_cuda_devices_a_process_here_would_see(tmp_path: Path) -> None:
+    from fsdp_replay.agent.config import AUTO_GPU_POLICY, auto_payloads, cuda_devices_visible
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidiactl").touch()
+    assert not cuda_devices_visible({}, str(dev))  # the control node alone is no device
+    (dev / "nvidia0").touch()
+    assert cuda_devices_visible({}, str(dev))
+    assert not cuda_devices_visible({"CUDA_VISIBLE_DEVICES": ""}, str(dev))
+    assert not cuda_devices_visible({"CUDA_VISIBLE_DEVICES": "-1"}, str(dev))
+    assert cuda_devices_visible({"CUDA_VISIBLE_DEVICES": "0"}, str(dev))
+    assert auto_payloads(True) == AUTO_GPU_POLICY and auto_payloads(False) == "all"

@@ -74,6 +74,7 @@ def _cxx_tape() -> str:
 
 def cmd_record(args: argparse.Namespace) -> int:
     from fsdp_replay.agent.config import (
+        AUTO,
         RecordConfig,
         StepSet,
         parse_alloc_history,
@@ -93,6 +94,12 @@ def cmd_record(args: argparse.Namespace) -> int:
         )
     # bad values are said before the run folder is made
     payloads = parse_payloads(_option("--payloads"), args.payloads)
+    if args.payloads.strip() == AUTO and payloads.window:
+        print(
+            f"fsdp-replay: --payloads auto: {payloads} (CUDA devices are visible: the flight recorder, which "
+            "writes the last steps' payloads when the run fails; --payloads all keeps every step's)",
+            file=sys.stderr,
+        )
     steps = {
         name: parse_steps(_option("--" + name.replace("_", "-")), value)
         for name in ("module_fingerprints", "op_fingerprints", "tape_payloads")
@@ -249,7 +256,7 @@ _SIGNING_KEY_HELP = (
 
 
 def register(sub: Any) -> None:
-    from fsdp_replay.agent.config import WHEN_FULL, RecordConfig
+    from fsdp_replay.agent.config import AUTO, AUTO_GPU_POLICY, WHEN_FULL, RecordConfig
 
     defaults = RecordConfig(out="-")
     r = sub.add_parser(
@@ -263,9 +270,10 @@ def register(sub: Any) -> None:
     env_option(
         r,
         "--payloads",
-        default=str(defaults.payloads),
-        help="steps whose collective outputs and batches are stored: none, all, steps:0-3,10, or window:N "
-        "(the flight recorder: the last N steps' payloads held in memory, written only if the run fails)",
+        default=AUTO,
+        help="steps whose collective outputs, batches and taped results are stored: none, all, steps:0-3,10, "
+        "window:N (the flight recorder: the last N steps' payloads held in memory, written only if the run "
+        f"fails), or auto (the default: {AUTO_GPU_POLICY} where CUDA devices are visible, all on a CPU)",
     )
     env_option(r, "--payload-inputs", kind="flag", help="also store collective inputs")
     env_option(

@@ -41,8 +41,10 @@ class InjectorConfig:
     """Where the agent payload (an emptyDir filled by the init container) is mounted in recorded containers."""
     spool_path: str = "/var/lib/fsdp-replay"
     """The run folder (``FSDP_REPLAY_OUT``), an emptyDir mounted at this path in the trainers and the sidecar."""
-    payloads: str = "all"
-    """Default payload policy (``FSDP_REPLAY_PAYLOADS``: none, all, steps:SPEC, window:N); a pod annotation overrides it."""
+    payloads: str = "auto"
+    """Default payload policy (``FSDP_REPLAY_PAYLOADS``: none, all, steps:SPEC, window:N, or auto: the
+    flight recorder, window:4, for a container that asks for a GPU, all for one that does not); a
+    pod annotation overrides it."""
     store: str = ""
     """Default trace store URL for the sidecar (``FSDP_REPLAY_SIDECAR_STORE``); empty: the sidecar's default."""
     annotation_prefix: str = "fsdp-replay.io"

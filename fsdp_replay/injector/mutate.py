@@ -28,7 +28,7 @@ from fsdp_replay import __version__
 from fsdp_replay.boot.pythonpath import agent_pythonpath
 from fsdp_replay.injector import annotations as ann
 from fsdp_replay.injector import containers as ours
-from fsdp_replay.injector import patch, templates
+from fsdp_replay.injector import patch, templates, validate
 from fsdp_replay.injector.config import InjectorConfig
 from fsdp_replay.injector.errors import InjectionError
 from fsdp_replay.injector.identity import identity_env
@@ -146,6 +146,8 @@ def _container_ops(
     ops: list[Op] = []
     added: list[dict[str, Any]] = []
     for variable, value in settings.agent_env:
+        if variable == ann.ENV_PAYLOADS:
+            value = validate.pod_payloads(value, container)
         if variable not in defined:
             added.append({"name": variable, "value": value})
             continue

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 # Our annotation values are short (a URL, a few names, a step spec): a longer one is a mistake or an
 # attack, and dropped. Kubernetes only caps a pod's annotations together (256 KiB), not one value.
@@ -55,10 +57,32 @@ def step_spec_error(spec: str, forms: str = "none, all, or steps:0-3,10,20-") ->
     return None
 
 
+AUTO_PAYLOADS = "auto"
+AUTO_GPU_POLICY = "window:4"  # agent/config.py's, restated (tests/injector check they agree)
+
+
+def pod_payloads(spec: str, container: Mapping[str, Any]) -> str:
+    """The policy a container records with: ``auto`` is the flight recorder for a container that
+    asks for a GPU (a ``*/gpu`` resource, as ``nvidia.com/gpu``), every step's payloads otherwise;
+    any other policy as it is."""
+    if spec.strip() != AUTO_PAYLOADS:
+        return spec
+    resources = container.get("resources")
+    asked: dict[str, Any] = {}
+    if isinstance(resources, Mapping):
+        for part in ("limits", "requests"):
+            if isinstance(resources.get(part), Mapping):
+                asked.update(resources[part])
+    gpu = any(str(k).endswith("/gpu") and str(v).strip() not in ("0", "") for k, v in asked.items())
+    return AUTO_GPU_POLICY if gpu else "all"
+
+
 def payload_spec_error(spec: str) -> str | None:
-    """Why ``spec`` is not a payload policy (a step spec, or ``window:N`` with N >= 1: the
-    agent's flight recorder), or None when it is."""
+    """Why ``spec`` is not a payload policy (a step spec, ``window:N`` with N >= 1: the agent's
+    flight recorder, or ``auto``), or None when it is."""
     spec = spec.strip()
+    if spec == AUTO_PAYLOADS:
+        return None
     if spec.startswith("window:"):
         m = re.fullmatch(r"window:\s*(\d+)\s*", spec)
         return None if m and int(m.group(1)) >= 1 else f"{spec!r} is not window:N with N >= 1 steps"

@@ -661,3 +661,27 @@ def test_a_signing_key_secret_reaches_the_sidecar_only() -> None:
         assert all(m["name"] != containers.SIGNING_VOLUME for m in c.get("volumeMounts", [])), c["name"]
     unsigned, _ = inject(load("torchrun-pod"), "native")
     assert all(v["name"] != containers.SIGNING_VOLUME for v in unsigned["spec"]["volumes"])
+
+
+def test_auto_records_a_gpu_container_with_the_flight_recorder_and_a_cpu_one_with_every_step() -> None:
+    # the chart's default (injection.payloads: auto): a container that asks for a GPU records
+    # with the agent's GPU default, one that does not with every step's payloads
+    from fsdp_replay.agent.config import AUTO_GPU_POLICY
+
+    assert validate.AUTO_GPU_POLICY == AUTO_GPU_POLICY  # the injector restates the agent's
+    gpu_pod = load("torchrun-pod")
+    del gpu_pod["metadata"]["annotations"]["fsdp-replay.io/payloads"]
+    out, _ = inject(gpu_pod)
+    assert env_of(out["spec"]["containers"][0])["FSDP_REPLAY_PAYLOADS"] == AUTO_GPU_POLICY
+    cpu_pod = load("plain-pod")
+    assert "resources" not in cpu_pod["spec"]["containers"][0]
+    out, _ = inject(cpu_pod)
+    assert env_of(out["spec"]["containers"][0])["FSDP_REPLAY_PAYLOADS"] == "all"
+    zero = copy.deepcopy(cpu_pod)
+    zero["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 0, "cpu": "4"}}
+    out, _ = inject(zero)
+    assert env_of(out["spec"]["containers"][0])["FSDP_REPLAY_PAYLOADS"] == "all"
+    annotated = copy.deepcopy(gpu_pod)
+    annotated["metadata"]["annotations"]["fsdp-replay.io/payloads"] = "steps:5"
+    out, _ = inject(annotated)  # the pod's own policy wins
+    assert env_of(out["spec"]["containers"][0])["FSDP_REPLAY_PAYLOADS"] == "steps:5"

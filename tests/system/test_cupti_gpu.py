@@ -69,6 +69,7 @@ def _record(rec: Path, cupti: str, program: Path, *args: str, policy: tuple[str,
         str(rec),
         "--cupti",
         cupti,
+        *("--payloads", "all"),  # (record's default on a GPU is the flight recorder)
         *policy,
         "--",
         *torchrun_cmd(1, program, *args),

@@ -57,6 +57,7 @@ def _record(
             str(out),
             "--snapshot-every",
             "2",
+            *("--payloads", "all"),  # (record's default on a GPU is the flight recorder)
             *options,
             "--",
             *torchrun_cmd(nproc, EXAMPLE, "--save-params", str(out / "params-{rank}.pt"), *args),
@@ -198,7 +199,7 @@ def _record_script(
     tmp: Path, name: str, script: str, args: tuple[str, ...], options: tuple[str, ...]
 ) -> Path:
     out = tmp / name
-    cmd = [*CLI, "record", "--out", str(out), *options, "--"]
+    cmd = [*CLI, "record", "--out", str(out), "--payloads", "all", *options, "--"]
     run([*cmd, *torchrun_cmd(1, str(WORKLOADS / script), *args)], env=child_env())
     return out
 

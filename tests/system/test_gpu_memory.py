@@ -33,7 +33,17 @@ CODES = schema.ALLOC_ACTION_CODES
 def _record(tmp: Path, name: str, *args: str, options: tuple[str, ...] = ()) -> tuple[Path, str, int]:
     out = tmp / name
     proc = run(
-        [*CLI, "record", "--out", str(out), *options, "--", *torchrun_cmd(1, WORKLOAD, *args)],
+        [
+            *CLI,
+            "record",
+            "--out",
+            str(out),
+            "--payloads",
+            "all",
+            *options,
+            "--",
+            *torchrun_cmd(1, WORKLOAD, *args),
+        ],
         env=child_env(),
         check=False,
     )
