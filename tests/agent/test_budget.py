@@ -8,7 +8,9 @@ GB = 10**9
 
 
 def _cost(total_tape: int, step_s: float, rate: float | None, snap: int = 4 * GB, every: int = 4) -> StepCost:
-    return StepCost({"tape": total_tape, "collectives": 200 << 20, "batches": 64 << 10}, step_s, rate, snap, every)
+    return StepCost(
+        {"tape": total_tape, "collectives": 200 << 20, "batches": 64 << 10}, step_s, rate, snap, every
+    )
 
 
 def test_nothing_stored_says_nothing() -> None:

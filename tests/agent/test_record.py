@@ -417,7 +417,9 @@ def test_a_full_writer_holds_the_training_back_and_drops_only_when_asked(tmp_pat
         env=child_env(FSDP_REPLAY_MAX_PENDING_BYTES="1"),
     )
     assert "dropped" not in proc.stderr, proc.stderr[-2000:]
-    assert "with --payloads all a step stores" in proc.stderr and "its writer took" in proc.stderr, proc.stderr
+    assert "with --payloads all a step stores" in proc.stderr and "its writer took" in proc.stderr, (
+        proc.stderr
+    )
     rt = Trace.open(out / schema.TRACE_DIR).rank(0)
     counters = rt.attrs["end"]["counters"]
     assert counters["blobs_dropped"] == 0 and counters["blobs"] > 0
