@@ -134,6 +134,7 @@ def test_optional_event_keys_pinned() -> None:
         "rank_start": {"t0_wall_ns", "numerics"},
         "compiled": {"modules", "error"},
         "cupti_state": {"clock", "detail"},
+        "flight_dump": {"hole_step"},
     }
     for ev, keys in schema.OPTIONAL_EVENT_KEYS.items():
         assert ev in schema.EVENT_KEYS
@@ -232,6 +233,9 @@ def test_tables_pinned() -> None:
             "cpu_payloads_ns": "int64",
             "cpu_snapshots_ns": "int64",
             "cpu_cxx_ns": "int64",
+            "payload_wait_ns": "int64",
+            "blob_bytes": "int64",
+            "blob_write_ns": "int64",
         },
         "step_params": {"fp": "uint64", "nonfinite": "bool", "algo": "int16"},
         "losses": {"value": "float64"},
