@@ -27,7 +27,7 @@ from fsdp_replay import __version__
 from fsdp_replay.sidecar.ebpf.events import ProbeStats
 from fsdp_replay.sidecar.ncclstats import NcclStats
 from fsdp_replay.sidecar.processes import ProcessStats, Usage, own_usage
-from fsdp_replay.sidecar.ranks import DROP_REASONS, RankState
+from fsdp_replay.sidecar.ranks import DROP_REASONS, PAYLOAD_WAIT, RankState
 from fsdp_replay.sidecar.ship import ShipStats
 from fsdp_replay.trace import schema
 from fsdp_replay.trace.redact import scrub_text
@@ -258,6 +258,13 @@ class SidecarCollector(Collector):
             )
             for part, label in (("hooks", "Agent-hooks"), ("writer", "Writer-thread"))
         }
+        waited = CounterMetricFamily(
+            _name("agent", "payload_wait_seconds"),
+            "Wall time the training waited for room for payloads so far (step/end counters "
+            "payload_wait_ns: the writer, the pending bound or a GPU payload ring full, --when-full wait); "
+            "all attempts.",
+            labels=["rank"],
+        )
         by_part = CounterMetricFamily(
             _name("agent", "hooks_part_cpu_seconds"),
             "Agent-hooks CPU time so far by part (step/end counters agent_cpu_<part>_ns): "
@@ -290,6 +297,7 @@ class SidecarCollector(Collector):
             totals["writer"].add_metric(lab, r.writer_cpu_ns / NS_PER_S)
             for part in schema.AGENT_CPU_PARTS:
                 by_part.add_metric([*lab, part], r.cpu_part_ns(part) / NS_PER_S)
+            waited.add_metric(lab, r.cpu_part_ns(PAYLOAD_WAIT) / NS_PER_S)
             if r.cost.wall_ns_sum > 0:
                 ratios["hooks"].add_metric(lab, r.cost.hooks_ns_sum / r.cost.wall_ns_sum)
                 ratios["writer"].add_metric(lab, r.cost.writer_ns_sum / r.cost.wall_ns_sum)
@@ -301,6 +309,7 @@ class SidecarCollector(Collector):
             *per_step.values(),
             *totals.values(),
             by_part,
+            waited,
             *ratios.values(),
             errors,
             dropped,

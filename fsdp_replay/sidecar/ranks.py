@@ -29,6 +29,7 @@ OTHER = "other"
 EVENT_TYPES = frozenset(schema.EVENT_KEYS)
 OPS = frozenset(schema.C10D_OPS)
 DROP_REASONS = ("blobs_dropped", "events_dropped", "write_errors")
+PAYLOAD_WAIT = "payload_wait"  # the training's wall time waiting for room for payloads (not a CPU part)
 """Counters of the ``end`` event that count what the agent gave up, by reason."""
 _NO_CPU = (-1, -1)  # what the collector stores for a step without cpu_ns
 
@@ -250,6 +251,9 @@ class RankState:
             ns = counters.get(f"agent_cpu_{part}_ns")
             if isinstance(ns, int) and ns >= self.cpu_parts_now.get(part, 0):
                 self.cpu_parts_now[part] = ns
+        waited = counters.get("payload_wait_ns")  # kept beside the parts: folded the same way
+        if isinstance(waited, int) and waited >= self.cpu_parts_now.get(PAYLOAD_WAIT, 0):
+            self.cpu_parts_now[PAYLOAD_WAIT] = waited
 
     def _saw(self, t_ns: int) -> None:
         self.last_t_ns = t_ns if self.last_t_ns is None else max(self.last_t_ns, t_ns)

@@ -87,6 +87,7 @@ def write_synthetic_spools(root: Path) -> None:
         "agent_cpu_collectives_ns": 500,
         "agent_cpu_payloads_ns": 120,
         "agent_cpu_cxx_ns": 300,
+        "payload_wait_ns": 2_500_000,
     }
     w0.append(schema.KIND_EVENT, ev.end(7000, 5, 4, **counters))
     w0.close()
@@ -150,6 +151,9 @@ def test_collector_output_for_a_synthetic_spool(tmp_path: Path) -> None:
         assert value(s, part, rank="0", part=p) == ns / 1e9, p
     for p, ns in (("tape", 400), ("snapshots", 90), ("collectives", 0)):
         assert value(s, part, rank="1", part=p) == ns / 1e9, p
+    # How long the training waited for room for payloads: rank 0's end counters; rank 1 reported none
+    assert value(s, "fsdp_replay_agent_payload_wait_seconds_total", **r0) == 2_500_000 / 1e9
+    assert value(s, "fsdp_replay_agent_payload_wait_seconds_total", **r1) == 0
     # Share of step time: (1000 - 100) / (6000 - 1000), (90 - 10) / 5000; rank 1: 200/1000, 20/1000.
     assert value(s, "fsdp_replay_agent_hooks_cpu_step_ratio", **r0) == 900 / 5000
     assert value(s, "fsdp_replay_agent_writer_cpu_step_ratio", **r0) == 80 / 5000
