@@ -18,6 +18,7 @@ import os
 import shutil
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -213,28 +214,51 @@ def _command(cmd: str, run_dir: Path, pristine: Path) -> list[str]:
     return [*CLI, cmd, str(run_dir)]
 
 
+# The runs of one damage are sequential (in one copy of the run); damages run side by side, one
+# per core (two on CI's machine): each command is one process, mostly on one core.
+WORKERS = max(1, min(2, os.cpu_count() or 1))
+
+
+def _damage_outcomes(
+    name: str, damage: Callable[[Path], Path], where: str, pristine: Path, tmp: Path
+) -> list[tuple[str, str]]:
+    """(verdict, failure text or "") of each command against one damage, in its own copy."""
+    run_dir = tmp / name.replace(" ", "-").replace("/", "")
+    shutil.copytree(pristine, run_dir, symlinks=True)
+    damaged = damage(run_dir)
+    if where == "spool":  # the trace is rebuilt from the damaged spool first
+        shutil.rmtree(run_dir / schema.TRACE_DIR)
+        run([*CLI, "collect", str(run_dir)], check=False)
+    named = {str(damaged.relative_to(run_dir)), damaged.name, str(damaged)}
+    if where == "spool":
+        named |= {str(run_dir / schema.TRACE_DIR)}  # e.g. "rank 1 is not in this trace"
+    blob_damage = name in ("missing blob chunk", "missing blobs/")
+    results = []
+    for cmd in BLOB_COMMANDS if blob_damage else COMMANDS:
+        proc = run(_command(cmd, run_dir, pristine), check=False, timeout=300)
+        out = proc.stdout + proc.stderr
+        verdict = _judge(cmd, where, proc.returncode, out, named)
+        bad = (
+            f"{name} / {cmd}: {verdict} (exit {proc.returncode})\n{out[-1500:]}"
+            if verdict.startswith("BAD")
+            else ""
+        )
+        results.append((verdict, bad))
+    return results
+
+
 def test_every_damage_against_every_command(pristine: Path, tmp_path: Path) -> None:
     outcomes: Counter[str] = Counter()
     failures: list[str] = []
-    for name, damage, where in DAMAGES:
-        run_dir = tmp_path / name.replace(" ", "-").replace("/", "")
-        shutil.copytree(pristine, run_dir, symlinks=True)
-        damaged = damage(run_dir)
-        if where == "spool":  # the trace is rebuilt from the damaged spool first
-            shutil.rmtree(run_dir / schema.TRACE_DIR)
-            run([*CLI, "collect", str(run_dir)], check=False)
-        named = {str(damaged.relative_to(run_dir)), damaged.name, str(damaged)}
-        if where == "spool":
-            named |= {str(run_dir / schema.TRACE_DIR)}  # e.g. "rank 1 is not in this trace"
-        blob_damage = name in ("missing blob chunk", "missing blobs/")
-        for cmd in BLOB_COMMANDS if blob_damage else COMMANDS:
-            proc = run(_command(cmd, run_dir, pristine), check=False, timeout=300)
-            out = proc.stdout + proc.stderr
-            verdict = _judge(cmd, where, proc.returncode, out, named)
-            outcomes[verdict] += 1
-            if verdict.startswith("BAD"):
-                failures.append(f"{name} / {cmd}: {verdict} (exit {proc.returncode})\n{out[-1500:]}")
+    with ThreadPoolExecutor(WORKERS) as pool:
+        runs = [pool.submit(_damage_outcomes, *d, pristine, tmp_path) for d in DAMAGES]
+        for done in runs:
+            for verdict, bad in done.result():
+                outcomes[verdict] += 1
+                if bad:
+                    failures.append(bad)
     print(f"\n{len(DAMAGES)} kinds of damage, {sum(outcomes.values())} command runs: {dict(outcomes)}")
+    assert sum(outcomes.values()) == len(DAMAGES) * len(COMMANDS) - 2 * (len(COMMANDS) - len(BLOB_COMMANDS))
     assert not failures, "\n\n".join(failures)
 
 

@@ -384,13 +384,30 @@ def test_a_replay_keeps_the_users_thread_count_and_says_so(recorded: Path, tmp_p
     assert any("intra-op threads: recorded 1, replay 2" in n for n in doc["notes"]), doc["notes"]
 
 
+@pytest.fixture(scope="module")
+def slow_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A recording whose replay takes long enough to be stopped mid-way (read, never changed: the
+    replays' reports go elsewhere)."""
+    rec, _ = record(
+        tmp_path_factory.mktemp("slow-steps"),
+        2,
+        "--steps",
+        "24",
+        "--sleep-per-step",
+        "0.25",
+        *SMALL,
+        record_args=("--payloads", "all"),
+    )
+    return rec
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_stopped_replay_says_what_it_verified_without_a_verdict(tmp_path: Path, signum: int) -> None:
+def test_a_stopped_replay_says_what_it_verified_without_a_verdict(
+    slow_steps: Path, tmp_path: Path, signum: int
+) -> None:
     """Ctrl-C (or SIGTERM) during a replay: no DIVERGED, no 'replay defect' error; the shell's
     128 + N exit code, and for Ctrl-C the steps that matched before the stop."""
-    rec, _ = record(
-        tmp_path, 2, "--steps", "24", "--sleep-per-step", "0.25", *SMALL, record_args=("--payloads", "all")
-    )
+    rec = slow_steps
     report = tmp_path / "stopped"
     with subprocess.Popen(
         [*CLI, "replay", str(rec), "--rank", "1", "--report", str(report)],
